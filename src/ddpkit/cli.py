@@ -1,0 +1,45 @@
+"""The `ddpkit` command. Each subcommand lives in its own module and adds its own parser.
+
+A subcommand module provides `add_parser(subparsers)`, which registers a parser whose
+`func` default is `run(args) -> int` (the exit status). Heavy imports (torch) happen
+inside `run`, so `ddpkit --help` and `ddpkit check` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ddpkit import __version__
+from ddpkit.errors import DdpkitError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ddpkit import train_command
+
+    parser = argparse.ArgumentParser(
+        prog="ddpkit",
+        description="Run PyTorch training with DistributedDataParallel on every GPU or CPU core.",
+    )
+    parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train_command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except DdpkitError as exc:
+        # Our own errors already name the fix: one line, no traceback.
+        print(f"ddpkit: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ddpkit: interrupted", file=sys.stderr)
+        return 130

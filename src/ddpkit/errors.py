@@ -1,0 +1,40 @@
+"""Exceptions ddpkit raises. Each message names the problem and the fix."""
+
+from __future__ import annotations
+
+
+class DdpkitError(Exception):
+    """Base class of every error ddpkit raises on purpose."""
+
+
+class ConfigError(DdpkitError, ValueError):
+    """A bad option or argument; the message says which one and what to pass instead."""
+
+
+class CheckpointError(DdpkitError):
+    """A checkpoint that cannot be written or read."""
+
+
+class WorkerError(DdpkitError):
+    """A worker process of `launch` failed; carries the failing rank and its traceback."""
+
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        *,
+        exitcode: int | None = None,
+        exc_type: str | None = None,
+        traceback: str = "",
+    ) -> None:
+        self.rank = rank
+        self.exitcode = exitcode
+        self.exc_type = exc_type
+        self.traceback = traceback
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.traceback:
+            text += f"\n\n--- traceback of rank {self.rank} ---\n{self.traceback.rstrip()}"
+        return text

@@ -1,0 +1,356 @@
+"""launch(fn): the seed's `mp.spawn(main, nprocs=world_size)` done right.
+
+The parent picks the rendezvous (a TCP store it owns on 127.0.0.1 at a port the OS
+gives it, or a shared file), spawns one worker per device, watches them, and stops
+every worker within seconds when one fails. Under torchrun it spawns nothing and runs
+`fn` in place with `env://`.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.context import DistContext
+from ddpkit.errors import ConfigError, WorkerError
+
+log = logging.getLogger("ddpkit")
+
+T = TypeVar("T")
+Backend = Literal["auto", "gloo", "nccl"]
+Init = Literal["tcp", "file"]
+
+# Seconds a worker gets to exit after SIGTERM before it is killed.
+_GRACE_S = 3.0
+_LOOPBACK = "127.0.0.1"
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another elastic agent) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def cpu_count() -> int:
+    """CPU cores this process may run on (respects taskset and cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` is nccl when a GPU is visible, gloo otherwise; an impossible choice raises."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"backend must be 'auto', 'gloo' or 'nccl' (got {backend!r})")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs a CUDA GPU and none is visible: pass backend='gloo'")
+    return backend
+
+
+def resolve_nprocs(nprocs: int | str, backend: str) -> int:
+    """torchrun's `auto`: one process per visible GPU, else one per CPU core."""
+    if nprocs == "auto":
+        return torch.cuda.device_count() if backend == "nccl" else cpu_count()
+    if isinstance(nprocs, str) and nprocs.isdigit():
+        nprocs = int(nprocs)
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ConfigError(f"nprocs must be 'auto' or an integer >= 1 (got {nprocs!r}): pass --nproc 2")
+    if backend == "nccl" and nprocs > torch.cuda.device_count():
+        raise ConfigError(
+            f"nprocs={nprocs} but only {torch.cuda.device_count()} GPU(s) are visible: "
+            "pass --nproc auto (one process per GPU)"
+        )
+    return nprocs
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """A fair share of the cores, so ranks on one machine don't oversubscribe it."""
+    return max(1, cpu_count() // max(1, local_world_size))
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a spawned worker needs to join the job."""
+
+    local_rank: int
+    world_size: int
+    backend: str
+    store_port: int | None  # TCP store owned by the parent
+    init_file: str | None  # or a shared file
+    timeout_s: float
+    log_level: int
+
+
+def launch(
+    fn: Callable[..., T],
+    *args: Any,
+    nprocs: int | str = "auto",
+    backend: Backend = "auto",
+    init: Init = "tcp",
+    timeout: float = 1800.0,
+) -> T:
+    """Run `fn(ctx, *args)` on `nprocs` processes and return rank 0's result.
+
+    `fn` must be a module-level function (workers are spawned, which pickles it).
+    `timeout` bounds every collective in seconds (torch's default is 30 minutes).
+    If any rank raises, the others are stopped and `WorkerError` names the rank and
+    carries its traceback. Under torchrun, `fn` runs in place in this process.
+    """
+    if init not in ("tcp", "file"):
+        raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
+    if dist.is_available() and dist.is_initialized():
+        # The caller set up the group itself (or we are nested): just run.
+        return fn(DistContext.current(), *args)
+    if under_torchrun():
+        return _run_in_place(fn, args, resolve_backend(backend), timeout)
+    backend_ = resolve_backend(backend)
+    n = resolve_nprocs(nprocs, backend_)
+    if n == 1:
+        return _run_single(fn, args, backend_, timeout)
+    return _spawn(fn, args, n, backend_, init, timeout)
+
+
+def _device_for(backend: str, local_rank: int) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        # Before init, so that nccl and every later `.cuda()` use this rank's GPU
+        # instead of all landing on GPU 0.
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def _init_group(backend: str, rank: int, world: int, device: torch.device, timeout_s: float,
+                **how: Any) -> None:
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), **how}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+
+
+def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
+    """One process: no spawn, but a real (size-1) group so collectives in user code work."""
+    device = _device_for(backend, 0)
+    _init_group(backend, 0, 1, device, timeout_s, store=dist.HashStore())
+    try:
+        return fn(DistContext(0, 0, 1, 1, device, backend), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
+    env = os.environ
+    rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    device = _device_for(backend, local_rank)
+    _init_group(backend, rank, world, device, timeout_s, init_method="env://")
+    try:
+        return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(
+    fn: Callable[..., T], args: tuple[Any, ...], n: int, backend: str, init: str, timeout_s: float
+) -> T:
+    mp = multiprocessing.get_context("spawn")
+    store: dist.TCPStore | None = None
+    tmpdir: str | None = None
+    if init == "tcp":
+        # The parent owns the store for the whole job: port 0 lets the OS pick a free
+        # port and holding it open means a second job can never get the same one.
+        store = dist.TCPStore(_LOOPBACK, 0, n, is_master=True, wait_for_workers=False)
+    else:
+        tmpdir = tempfile.mkdtemp(prefix="ddpkit-init-")
+    level = logging.getLogger("ddpkit").getEffectiveLevel()
+    procs: dict[int, BaseProcess] = {}
+    conns: dict[int, Connection] = {}
+    try:
+        for rank in range(n):
+            spec = _Spec(
+                rank, n, backend, store.port if store else None,
+                os.path.join(tmpdir, "rendezvous") if tmpdir else None, timeout_s, level,
+            )
+            recv, send = mp.Pipe(duplex=False)
+            proc = mp.Process(target=_worker, args=(spec, fn, args, send), name=f"ddpkit-rank{rank}")
+            try:
+                proc.start()
+            except (AttributeError, TypeError, ValueError) as exc:  # pickling fn or args
+                raise ConfigError(
+                    f"cannot send {getattr(fn, '__name__', fn)!r} or its arguments to the "
+                    f"workers ({exc}): define the function at module level and pass "
+                    "picklable arguments"
+                ) from exc
+            finally:
+                send.close()
+            procs[rank], conns[rank] = proc, recv
+        return _supervise(procs, conns)
+    finally:
+        _stop(procs.values())
+        for conn in conns.values():
+            conn.close()
+        if tmpdir:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        del store
+
+
+def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> Any:
+    """Wait for every worker; on the first failure return at once by raising."""
+    results: dict[int, Any] = {}
+    failures: list[tuple[float, WorkerError]] = []
+    running = dict(procs)
+    open_conns = dict(conns)
+
+    def drain(rank: int) -> None:
+        conn = open_conns.get(rank)
+        while conn is not None and conn.poll():
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                open_conns.pop(rank).close()
+                return
+            if msg[0] == "ok":
+                results[rank] = msg[1]
+            else:
+                _, when, exc_type, text, tb = msg
+                failures.append(
+                    (when, WorkerError(rank, f"rank {rank} raised {exc_type}: {text}",
+                                       exc_type=exc_type, traceback=tb))
+                )
+
+    while running:
+        handles: list[Any] = [p.sentinel for p in running.values()]
+        handles += list(open_conns.values())
+        wait(handles, timeout=1.0)
+        for rank in list(open_conns):
+            drain(rank)
+        for rank, proc in list(running.items()):
+            if proc.exitcode is None:
+                continue
+            drain(rank)  # a message sent just before exit is still in the pipe
+            del running[rank]
+            code = proc.exitcode
+            if code != 0 and not any(f.rank == rank for _, f in failures):
+                failures.append((time.time(), WorkerError(rank, _describe_exit(rank, code),
+                                                          exitcode=code)))
+        if failures:
+            # The rank that failed first is the cause; later ones usually fail because
+            # their peer went away ("connection closed by peer").
+            first = min(failures, key=lambda f: f[0])[1]
+            first.exitcode = procs[first.rank].exitcode
+            raise first
+    if 0 not in results:
+        raise WorkerError(0, "rank 0 exited without returning a result", exitcode=0)
+    return results[0]
+
+
+def _describe_exit(rank: int, code: int) -> str:
+    if code < 0:
+        name = signal.Signals(-code).name
+        hint = " (the kernel's OOM killer sends SIGKILL: check memory)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name}{hint}"
+    return f"rank {rank} exited with code {code}"
+
+
+def _stop(procs: Any) -> None:
+    """SIGTERM every live worker, SIGKILL what is left after a grace period, reap all."""
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:
+        p.join()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker if the parent dies, so no orphan outlives it."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # Raising here runs the worker's `finally` (destroy_process_group) on the way out.
+    raise SystemExit(128 + signum)
+
+
+def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection) -> None:
+    _die_with_parent()
+    # Ctrl-C reaches every process of the terminal; the parent alone handles it and
+    # stops the workers, so they don't each print a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=spec.log_level, format=f"[rank {spec.local_rank}] %(message)s")
+    rank, world = spec.local_rank, spec.world_size
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=_LOOPBACK,
+        MASTER_PORT=str(spec.store_port or 0),
+    )
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank(world))
+    initialised = False
+    try:
+        device = _device_for(spec.backend, rank)
+        if spec.store_port is not None:
+            store = dist.TCPStore(_LOOPBACK, spec.store_port, world, is_master=False,
+                                  timeout=timedelta(seconds=spec.timeout_s))
+            _init_group(spec.backend, rank, world, device, spec.timeout_s, store=store)
+        else:
+            _init_group(spec.backend, rank, world, device, spec.timeout_s,
+                        init_method=f"file://{spec.init_file}")
+        initialised = True
+        result = fn(DistContext(rank, rank, world, world, device, spec.backend), *args)
+        conn.send(("ok", result if rank == 0 else None))
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            _report(conn, exc)
+            raise
+        conn.send(("ok", None))
+    except BaseException as exc:
+        _report(conn, exc)
+        raise SystemExit(1) from None
+    finally:
+        if initialised:
+            dist.destroy_process_group()
+        conn.close()
+
+
+def _report(conn: Connection, exc: BaseException) -> None:
+    try:
+        conn.send(("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc()))
+    except Exception:  # the parent is gone or the pipe broke: the exit code still tells
+        pass
