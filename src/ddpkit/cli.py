@@ -8,11 +8,12 @@ inside `run`, so `ddpkit --help` and `ddpkit check` start fast.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
 from ddpkit import __version__
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +29,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Errors raised on purpose with a message that names the fix.
+_USER_ERRORS = ("ConfigError", "CheckpointError")
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
         parser.print_help()
         return 2
+    # SIGTERM becomes an exception so that `finally` blocks stop and reap the workers.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         return int(args.func(args))
+    except WorkerError as exc:
+        if exc.exc_type in _USER_ERRORS:  # bad input found inside a worker: one line
+            print(f"ddpkit: error: {super(WorkerError, exc).__str__()}", file=sys.stderr)
+            return 2
+        print(f"ddpkit: error: {exc}", file=sys.stderr)
+        return 1
     except DdpkitError as exc:
         # Our own errors already name the fix: one line, no traceback.
         print(f"ddpkit: error: {exc}", file=sys.stderr)

@@ -1,0 +1,134 @@
+"""prepare_loader: the seed's `DataLoader(..., shuffle=False, sampler=DistributedSampler(...))`
+with the parts it leaves to the user done: a seed shared by all ranks, seeded workers,
+pinned memory on GPUs, and an evaluation mode that counts every sample exactly once."""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+from ddpkit.context import DistContext
+from ddpkit.errors import ConfigError
+
+# Per-epoch reseeding of the loader's generator keeps worker seeds a function of
+# (seed, rank, epoch) only, so a resumed run sees the same augmentations.
+_EPOCH_STRIDE = 1_000_003
+
+
+class DistributedLoader(DataLoader[Any]):
+    """A DataLoader with `set_epoch`, which both reshuffles the sampler and reseeds the
+    workers. Without `sampler.set_epoch`, a DistributedSampler repeats its order."""
+
+    base_seed: int = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_sampler_epoch):
+            set_sampler_epoch(epoch)
+        if self.generator is not None:
+            self.generator.manual_seed(self.base_seed + epoch * _EPOCH_STRIDE)
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r takes samples r, r+W, r+2W, ... in order: no padding, no duplicates.
+
+    DistributedSampler pads the dataset to a multiple of the world size by repeating
+    samples, which biases a metric computed over the whole set. This sampler gives
+    shards that differ in length by at most one, so evaluation (which runs no
+    collective per batch) counts each sample exactly once.
+    """
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        self.length, self.rank, self.world_size = length, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world_size))
+
+
+def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    # torch seeds itself per worker; Python's and NumPy's RNGs need the same seed,
+    # or every worker (and every rank) draws the same "random" augmentations.
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed)
+    if user_init is not None:
+        user_init(worker_id)
+
+
+def prepare_loader(
+    dataset: Dataset[Any],
+    ctx: DistContext,
+    batch_size: int,
+    *,
+    shuffle: bool | None = None,
+    evaluation: bool = False,
+    seed: int = 0,
+    drop_last: bool = False,
+    sampler: Sampler[Any] | None = None,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+    persistent_workers: bool = False,
+) -> DistributedLoader:
+    """A DataLoader that gives this rank its share of `dataset`.
+
+    `batch_size` is per rank (the global batch is `batch_size * world_size`, as in the
+    seed). Training (the default) uses a DistributedSampler seeded with `seed` on every
+    rank, so ranks see disjoint shards of one permutation; call `loader.set_epoch(epoch)`
+    before each epoch (Trainer does) or every epoch repeats the same order.
+    `evaluation=True` shards without padding (see ShardSampler). A custom `sampler`
+    replaces ddpkit's and must shard by itself.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1 (got {batch_size}): pass --batch-size 32")
+    if num_workers < 0:
+        raise ConfigError(f"num_workers must be >= 0 (got {num_workers})")
+    if sampler is not None and shuffle:
+        raise ConfigError(
+            "shuffle=True cannot be combined with a sampler (the sampler decides the order): "
+            "drop shuffle=True, or drop the sampler and let ddpkit shard and shuffle"
+        )
+    if evaluation and shuffle:
+        raise ConfigError("shuffle=True has no use in evaluation mode: drop it")
+    if sampler is None and not isinstance(dataset, IterableDataset):
+        size = len(dataset)  # type: ignore[arg-type]
+        if evaluation:
+            sampler = ShardSampler(size, ctx.rank, ctx.world_size)
+        else:
+            if size < ctx.world_size:
+                raise ConfigError(
+                    f"the training set has {size} sample(s) but there are {ctx.world_size} "
+                    f"ranks, so some rank would get none: use a larger dataset or --nproc {size}"
+                )
+            sampler = DistributedSampler(
+                dataset, num_replicas=ctx.world_size, rank=ctx.rank,
+                shuffle=True if shuffle is None else shuffle, seed=seed, drop_last=drop_last,
+            )
+    generator = torch.Generator()
+    generator.manual_seed(seed + ctx.rank)
+    loader = DistributedLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=ctx.device.type == "cuda" if pin_memory is None else pin_memory,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        worker_init_fn=functools.partial(_seed_worker, worker_init_fn),
+        generator=generator,
+        persistent_workers=persistent_workers and num_workers > 0,
+    )
+    loader.base_seed = seed + ctx.rank
+    return loader

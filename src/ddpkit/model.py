@@ -1,0 +1,84 @@
+"""prepare_model: the seed's `model.to(gpu_id)` + SyncBatchNorm + `DDP(model, device_ids=[gpu_id])`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpkit.context import DistContext
+
+log = logging.getLogger("ddpkit")
+
+
+def prepare_model(
+    model: nn.Module,
+    ctx: DistContext,
+    *,
+    sync_batchnorm: bool = True,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    gradient_as_bucket_view: bool = True,
+    bucket_cap_mb: float | None = None,
+    broadcast_buffers: bool = True,
+) -> nn.Module:
+    """Move `model` to this rank's device and, when there is more than one rank, wrap it.
+
+    BatchNorm layers become synchronized BatchNorm (PyTorch's on GPUs, ddpkit's own on
+    CPU, where PyTorch's refuses to run) so that statistics are those of the global
+    batch; pass `sync_batchnorm=False` to keep per-rank statistics. With one process the
+    model is returned unwrapped: DDP would only add a gradient copy per step.
+    `gradient_as_bucket_view` defaults to True, which saves one gradient-sized copy.
+    """
+    if isinstance(model, DDP):
+        raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
+    model = model.to(ctx.device)
+    if not ctx.distributed:
+        return model
+    if sync_batchnorm:
+        from ddpkit.syncbn import convert_sync_batchnorm
+
+        model, converted = convert_sync_batchnorm(model, ctx.device.type)
+        if converted and ctx.is_main:
+            log.info(
+                "converted %d BatchNorm layer(s) to SyncBatchNorm "
+                "(statistics over the global batch; sync_batchnorm=False turns this off)",
+                converted,
+            )
+    on_gpu = ctx.device.type == "cuda"
+    kwargs: dict[str, object] = {}
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    return DDP(
+        model,
+        device_ids=[ctx.device] if on_gpu else None,
+        output_device=ctx.device if on_gpu else None,
+        find_unused_parameters=find_unused_parameters,
+        static_graph=static_graph,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        broadcast_buffers=broadcast_buffers,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The bare module under DDP and `torch.compile` wrappers (what a checkpoint saves)."""
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
+def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the `module.` (DDP) and `_orig_mod.` (compile) key prefixes of a state dict."""
+    out = {}
+    for key, value in state.items():
+        while key.startswith(("module.", "_orig_mod.")):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out

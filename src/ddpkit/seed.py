@@ -1,0 +1,50 @@
+"""Seeding and RNG state capture, so a run can be repeated and resumed exactly."""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import torch
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's (if imported) and torch's RNGs (CPU and every GPU).
+
+    Every rank gets the same seed: parameters start equal (DDP also broadcasts them),
+    and random ops stay a function of the data each rank sees, not of the rank.
+    """
+    random.seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states, as types that `torch.load(weights_only=True)` accepts."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(_py_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if "numpy" in sys.modules:
+        kind, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state(legacy=True)
+        state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
+    return state
+
+
+def _py_state() -> tuple[Any, ...]:
+    version, internal, gauss = random.getstate()
+    return (version, list(internal), gauss)
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` captured (tensors may come back on a GPU: move them)."""
+    torch.set_rng_state(state["torch"].cpu())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if "numpy" in state and "numpy" in sys.modules:
+        np = sys.modules["numpy"]
+        kind, keys, pos, has_gauss, gauss_ = state["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss_))

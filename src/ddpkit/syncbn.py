@@ -1,0 +1,330 @@
+"""Synchronized BatchNorm for CPU tensors (gloo), where `torch.nn.SyncBatchNorm` refuses to run.
+
+The math is that of `torch.nn.SyncBatchNorm`: in training, every rank normalizes with
+the mean and biased variance of the global batch (all ranks together), the backward
+pass all-reduces the two per-channel sums the input gradient needs, and the weight and
+bias gradients stay local sums, which DDP then averages. The result equals plain
+BatchNorm over the global batch.
+
+`convert_sync_batchnorm` swaps every BatchNorm of a model for the right synchronized
+layer: PyTorch's fused kernels on CUDA, this module's `SyncBatchNorm` elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+
+from ddpkit.errors import ConfigError
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """BatchNorm over the global batch of all ranks, for any device gloo can reduce on.
+
+    Takes the arguments of `torch.nn.SyncBatchNorm` and inputs of shape (N, C, *).
+    In training mode, with an initialised process group of more than one rank, the
+    statistics are those of the global batch; ranks may hold different numbers of
+    samples (even none). Each forward runs one collective on every rank of the group,
+    and each backward that needs the input gradient runs one more, so every rank must
+    call it the same number of times. In eval mode, or without a process group (or with
+    a group of one), it is exactly `torch.nn.BatchNorm*d` and runs no collective: like
+    PyTorch's SyncBatchNorm, eval without running statistics normalizes with the local
+    batch, so ranks may evaluate different numbers of batches.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        bias: bool = True,
+    ) -> None:
+        super().__init__(
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            device=device,
+            dtype=dtype,
+            bias=bias,
+        )
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"SyncBatchNorm expects input of shape (N, C, *) with at least 2 dimensions "
+                f"(got a {input.dim()}D input of shape {tuple(input.shape)})"
+            )
+        if input.size(1) != self.num_features:
+            raise ValueError(
+                f"SyncBatchNorm({self.num_features}) got an input with {input.size(1)} "
+                f"channels (shape {tuple(input.shape)}): dimension 1 must hold the channels"
+            )
+
+    def _sync_group(self) -> dist.ProcessGroup | None:
+        """The group to synchronize over, or None when plain BatchNorm gives the same result."""
+        # Eval never synchronizes (as in PyTorch): evaluation loops often give ranks
+        # different numbers of batches, and a collective there would hang the job.
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        # -1 when this rank is not a member of `group`: nothing to synchronize with.
+        if group is None or dist.get_world_size(group) <= 1:
+            return None
+        return group
+
+    def forward(self, input: Tensor) -> Tensor:
+        group = self._sync_group()
+        if group is None:
+            out: Tensor = super().forward(input)
+            return out
+        self._check_input_dim(input)
+        factor = 0.0
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            # momentum=None is nn.BatchNorm's cumulative average over all batches seen.
+            factor = (
+                1.0 / float(self.num_batches_tracked)
+                if self.momentum is None
+                else float(self.momentum)
+            )
+        result: Tensor = _SyncBatchNormFunction.apply(  # type: ignore[no-untyped-call]
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if self.track_running_stats else None,
+            self.running_var if self.track_running_stats else None,
+            self.eps,
+            factor,
+            group,
+        )
+        return result
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float16/bfloat16 statistics lose too much; float64 inputs keep their precision.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _channel_view(t: Tensor, ndim: int) -> Tensor:
+    """A (C,) tensor shaped to broadcast against an (N, C, *) input of `ndim` dimensions."""
+    return t.view(1, -1, *([1] * (ndim - 2)))
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Normalization with global statistics; its backward is the global BatchNorm gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        eps: float,
+        factor: float,
+        group: dist.ProcessGroup,
+    ) -> Tensor:
+        channels = x.size(1)
+        dims = [0, *range(2, x.dim())]
+        cdtype = _stat_dtype(x.dtype)
+        # Autocast would be free to run these ops in half precision; the statistics
+        # must stay in float32 or better whatever the caller's autocast settings are.
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(cdtype)
+            local_count = x.numel() // channels
+            if local_count > 0:
+                var, mean = torch.var_mean(xc, dim=dims, correction=0)
+                local_m2 = var.to(torch.float64) * local_count
+            else:
+                # An empty rank still joins the collective, or its peers would hang.
+                mean = local_m2 = torch.zeros(channels, dtype=torch.float64, device=x.device)
+            # float64 keeps counts exact (float32 is exact only up to 2**24 values per
+            # channel per rank) and makes the combination below as accurate as the data.
+            packet = torch.cat(
+                [
+                    torch.tensor([float(local_count)], dtype=torch.float64, device=x.device),
+                    mean.to(torch.float64),
+                    local_m2.to(torch.float64),
+                ]
+            )
+            # An all_gather rather than an all_reduce of sums and sums of squares: the
+            # per-rank (count, mean, M2) combine exactly with any counts, and without
+            # the cancellation of E[x^2] - E[x]^2 when the mean is large.
+            gathered = [torch.empty_like(packet) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, packet, group=group)
+            table = torch.stack(gathered)
+            counts = table[:, :1]
+            means = table[:, 1 : channels + 1]
+            m2s = table[:, channels + 1 :]
+            total = float(counts.sum())
+            if total == 1.0:
+                # Every rank sees the same total, so every rank raises here together.
+                raise ValueError(
+                    "Expected more than 1 value per channel when training, got 1 over "
+                    f"{table.size(0)} ranks (local input shape {tuple(x.shape)}): use a "
+                    "larger batch or drop the last incomplete batch (drop_last=True)"
+                )
+            if total == 0.0:
+                # Nothing to normalize anywhere; running stats stay, as in nn.BatchNorm.
+                global_mean = torch.zeros(channels, dtype=torch.float64, device=x.device)
+                global_m2 = torch.zeros_like(global_mean)
+            else:
+                global_mean = (counts * means).sum(0) / total
+                # Chan et al.: within-rank M2 plus the spread of the rank means.
+                global_m2 = m2s.sum(0) + (counts * (means - global_mean) ** 2).sum(0)
+            global_var = global_m2 / max(total, 1.0)
+
+            if running_mean is not None and running_var is not None and total > 0:
+                # nn.BatchNorm tracks the unbiased variance of the (here: global) batch.
+                unbiased = global_m2 / (total - 1.0)
+                running_mean.copy_(
+                    running_mean.to(torch.float64) * (1.0 - factor) + global_mean * factor
+                )
+                running_var.copy_(
+                    running_var.to(torch.float64) * (1.0 - factor) + unbiased * factor
+                )
+
+            mean_c = global_mean.to(cdtype)
+            invstd_c = torch.rsqrt(global_var + eps).to(cdtype)
+            out = (xc - _channel_view(mean_c, x.dim())) * _channel_view(invstd_c, x.dim())
+            if weight is not None:
+                out = out * _channel_view(weight.to(cdtype), x.dim())
+            if bias is not None:
+                out = out + _channel_view(bias.to(cdtype), x.dim())
+
+        ctx.save_for_backward(x, weight, mean_c, invstd_c)
+        ctx.group = group
+        ctx.total = total
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        cdtype = mean.dtype
+        dims = [0, *range(2, x.dim())]
+        grad_input = grad_weight = grad_bias = None
+        with torch.autocast(x.device.type, enabled=False):
+            g = grad_out.to(cdtype)
+            x_hat = (x.to(cdtype) - _channel_view(mean, x.dim())) * _channel_view(invstd, x.dim())
+            # Sums over an empty local batch are zeros, which is what the peers need.
+            sum_g = g.sum(dims)
+            sum_gx = (g * x_hat).sum(dims)
+            # Local sums on purpose: DDP averages parameter gradients over the ranks.
+            if need_weight and weight is not None:
+                grad_weight = sum_gx.to(weight.dtype)
+            if need_bias and weight is not None:  # a bias exists only with a weight
+                grad_bias = sum_g.to(weight.dtype)
+            if need_input:
+                # needs_input_grad is the same on every rank (same model, same graph),
+                # so either every rank joins this collective or none does.
+                packed = torch.cat([sum_g, sum_gx])
+                dist.all_reduce(packed, group=ctx.group)
+                channels = x.size(1)
+                total = max(ctx.total, 1.0)
+                mean_g = _channel_view(packed[:channels] / total, x.dim())
+                mean_gx = _channel_view(packed[channels:] / total, x.dim())
+                scale = invstd if weight is None else invstd * weight.to(cdtype)
+                grad_input = (_channel_view(scale, x.dim()) * (g - mean_g - x_hat * mean_gx)).to(
+                    x.dtype
+                )
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def convert_sync_batchnorm(
+    module: nn.Module,
+    device_type: str = "cpu",
+    process_group: dist.ProcessGroup | None = None,
+) -> tuple[nn.Module, int]:
+    """Replace every BatchNorm of `module` with a synchronized one; return (module, count).
+
+    On "cuda" the layers become `torch.nn.SyncBatchNorm` (fused kernels); on any other
+    device type, ddpkit's `SyncBatchNorm`. Parameters and buffers are carried over as the
+    same tensors (like PyTorch's conversion), so values, `requires_grad` and an optimizer
+    built beforehand all stay valid; training mode is kept. Layers that are already
+    synchronized for `device_type` are left alone and not counted. If `module` itself is a
+    BatchNorm, the replacement is returned, so always use the returned module.
+    """
+    for sub in module.modules():
+        if (
+            isinstance(sub, _BatchNorm)
+            and isinstance(sub, LazyModuleMixin)
+            and sub.has_uninitialized_params()
+        ):
+            raise ConfigError(
+                f"{type(sub).__name__} has no parameters yet, so it cannot be converted to "
+                "SyncBatchNorm: run one forward pass (or use BatchNorm*d with num_features) "
+                "before preparing the model"
+            )
+    if device_type == "cuda":
+        count = sum(
+            1
+            for sub in module.modules()
+            if isinstance(sub, _BatchNorm) and not isinstance(sub, nn.SyncBatchNorm)
+        )
+        converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(  # type: ignore[no-untyped-call]
+            module, process_group
+        )
+        return converted, count
+    # Keyed by id: a BatchNorm shared by two parents must stay one shared layer.
+    memo: dict[int, tuple[nn.Module, nn.Module]] = {}
+    result = _convert(module, process_group, memo)
+    return result, sum(1 for old, new in memo.values() if new is not old)
+
+
+def _convert(
+    module: nn.Module,
+    process_group: dist.ProcessGroup | None,
+    memo: dict[int, tuple[nn.Module, nn.Module]],
+) -> nn.Module:
+    if id(module) in memo:
+        return memo[id(module)][1]
+    out = module
+    # A torch.nn.SyncBatchNorm is replaced too: on CPU it cannot run under DDP.
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        out = _to_sync(module, process_group)
+    memo[id(module)] = (module, out)
+    for name, child in module.named_children():
+        new_child = _convert(child, process_group, memo)
+        if new_child is not child:
+            out.add_module(name, new_child)
+    return out
+
+
+def _to_sync(bn: _BatchNorm, process_group: dist.ProcessGroup | None) -> SyncBatchNorm:
+    sync = SyncBatchNorm(
+        bn.num_features,
+        bn.eps,
+        bn.momentum,
+        bn.affine,
+        bn.track_running_stats,
+        process_group,
+        bias=bn.bias is not None,
+    )
+    if bn.affine:
+        sync.weight = bn.weight
+        sync.bias = bn.bias
+    sync.running_mean = bn.running_mean
+    sync.running_var = bn.running_var
+    sync.num_batches_tracked = bn.num_batches_tracked
+    sync.training = bn.training
+    if hasattr(bn, "qconfig"):
+        sync.qconfig = bn.qconfig
+    return sync

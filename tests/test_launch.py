@@ -1,0 +1,184 @@
+"""launch(): real spawned workers, real gloo collectives on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit import ConfigError, DistContext, WorkerError, launch
+from tests.conftest import ROOT, pid_alive, wait_for_files, wait_gone
+
+
+def _identity(ctx: DistContext, tag: str) -> dict[str, object]:
+    t = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(t)
+    ranks: list[object] = [None] * ctx.world_size
+    dist.all_gather_object(ranks, (ctx.rank, ctx.local_rank, torch.get_num_threads()))
+    return {
+        "tag": tag, "sum": t.item(), "ranks": ranks, "world": ctx.world_size,
+        "backend": ctx.backend, "device": str(ctx.device), "main": ctx.is_main,
+        "port": os.environ.get("MASTER_PORT"), "pid": os.getpid(),
+    }
+
+
+def test_launch_returns_rank0_result_and_runs_a_real_group() -> None:
+    out = launch(_identity, "x", nprocs=2)
+    assert out["tag"] == "x" and out["main"] is True
+    assert out["sum"] == 3.0  # 1 + 2: both ranks took part in the all_reduce
+    assert out["world"] == 2 and out["backend"] == "gloo" and out["device"] == "cpu"
+    # every rank got its own rank and a fair share of the cores (not all of them)
+    share = max(1, (len(os.sched_getaffinity(0))) // 2)
+    assert out["ranks"] == [(0, 0, share), (1, 1, share)]
+    assert out["pid"] != os.getpid()
+
+
+def test_launch_with_a_shared_file_rendezvous() -> None:
+    out = launch(_identity, "file", nprocs=2, init="file")
+    assert out["sum"] == 3.0
+
+
+def test_single_process_runs_in_place_with_a_real_group() -> None:
+    out = launch(_identity, "one", nprocs=1)
+    assert out["pid"] == os.getpid() and out["sum"] == 1.0 and out["world"] == 1
+    assert not dist.is_initialized()  # destroyed again
+
+
+def _slow_identity(ctx: DistContext, tag: str) -> dict[str, object]:
+    time.sleep(1.5)  # so that the two jobs below overlap in time
+    return _identity(ctx, tag)
+
+
+def test_two_jobs_at_once_get_different_ports() -> None:
+    results: dict[str, dict[str, object]] = {}
+
+    def job(tag: str) -> None:
+        results[tag] = launch(_slow_identity, tag, nprocs=2)
+
+    threads = [threading.Thread(target=job, args=(t,)) for t in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(results) == {"a", "b"}
+    assert results["a"]["port"] != results["b"]["port"]
+    assert results["a"]["sum"] == results["b"]["sum"] == 3.0
+
+
+def _fail_on_rank1(ctx: DistContext, pid_dir: str) -> None:
+    Path(pid_dir, f"{ctx.rank}.pid").write_text(str(os.getpid()))
+    if ctx.rank == 1:
+        time.sleep(0.5)
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 would wait here forever if nobody stopped it
+
+
+def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(_fail_on_rank1, str(tmp_path), nprocs=2)
+    elapsed = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError"
+    assert "rank one is broken" in str(err)
+    assert "_fail_on_rank1" in err.traceback and 'raise ValueError("rank one is broken")' in str(err)
+    assert elapsed < 20, f"the blocked rank 0 was not stopped in time ({elapsed:.1f}s)"
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and wait_gone(pids, within=1.0) == []
+
+
+def _killed(ctx: DistContext) -> None:
+    if ctx.rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_reported() -> None:
+    with pytest.raises(WorkerError, match="rank 0 was killed by SIGKILL") as info:
+        launch(_killed, nprocs=2)
+    assert info.value.rank == 0 and info.value.exitcode == -signal.SIGKILL
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="nprocs must be"):
+        launch(_identity, "x", nprocs=0)
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        launch(_identity, "x", nprocs=2, backend="nccl")
+    with pytest.raises(ConfigError, match="init must be"):
+        launch(_identity, "x", nprocs=2, init="udp")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="module level"):
+        launch(lambda ctx: 1, nprocs=2)
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    import ddpkit
+
+    def work(ctx, pid_dir):
+        Path(pid_dir, f"{ctx.rank}.pid").write_text(str(os.getpid()))
+        time.sleep(300)
+
+    if __name__ == "__main__":
+        ddpkit.launch(work, sys.argv[1], nprocs=2)
+    """
+)
+
+
+def _start_sleeping_job(tmp_path: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
+    script = tmp_path / "job.py"
+    script.write_text(_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=ROOT)
+    files = [tmp_path / "0.pid", tmp_path / "1.pid"]
+    wait_for_files(files)
+    return proc, [int(f.read_text()) for f in files]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_parent_stops_every_worker(tmp_path: Path, sig: signal.Signals) -> None:
+    # SIGINT (Ctrl-C) raises KeyboardInterrupt in the parent, which stops the workers;
+    # a bare script has no SIGTERM handler, so there the parent just dies and the
+    # kernel must take the workers with it.
+    proc, pids = _start_sleeping_job(tmp_path)
+    proc.send_signal(sig)
+    proc.wait(30)
+    assert wait_gone(pids) == []
+
+
+def test_parent_killed_hard_leaves_no_orphan(tmp_path: Path) -> None:
+    proc, pids = _start_sleeping_job(tmp_path)
+    proc.kill()
+    proc.wait(30)
+    assert wait_gone(pids) == []
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_under_torchrun_env_it_runs_in_place(tmp_path: Path) -> None:
+    script = tmp_path / "inplace.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, ddpkit
+        def f(ctx):
+            return (os.getpid(), ctx.rank, ctx.world_size, ctx.backend)
+        if __name__ == "__main__":
+            pid, rank, world, backend = ddpkit.launch(f, nprocs=4)
+            assert pid == os.getpid(), "spawned instead of running in place"
+            print(rank, world, backend)
+        """
+    ))
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "1", "gloo"]
