@@ -148,17 +148,20 @@ def latest_checkpoint(
     none loads.
     """
     candidates = list_checkpoints(directory)
+    broken: list[str] = []
     for path in reversed(candidates):
         try:
-            return path, load_checkpoint(path, ctx)
+            state = load_checkpoint(path, ctx)
         except CheckpointError as exc:
-            if ctx.is_main:
-                log.warning("skipping %s", exc)
+            broken.append(str(exc))
+            continue
+        if broken and ctx.is_main:
+            log.warning("skipped %d unreadable checkpoint(s): %s", len(broken), "; ".join(broken))
+        return path, state
     if candidates:
-        names = ", ".join(p.name for p in candidates)
         raise CheckpointError(
-            f"no checkpoint in {directory} could be read ({names}): delete them, or drop "
-            "--resume to start from scratch"
+            f"no checkpoint in {directory} could be read ({'; '.join(broken)}): delete "
+            "them, or drop --resume to start from scratch"
         )
     return None
 
