@@ -13,13 +13,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, timeout: float = 240, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """`python -m ddpkit ARGS` as a user would run it; returns the finished process."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "ddpkit", *args], capture_output=True, text=True,
-        timeout=timeout, env=full_env, cwd=cwd,
+        [sys.executable, "-m", "ddpkit", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd,
     )
 
 

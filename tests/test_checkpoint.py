@@ -49,12 +49,15 @@ def test_save_and_load_round_trip_with_rng_and_mode(tmp_path: Path) -> None:
 def test_keep_last_prunes_the_oldest(tmp_path: Path) -> None:
     for step in range(1, 6):
         save_checkpoint(_state(step), tmp_path, CTX, step=step, keep_last=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000000004.pt",
-                                                            "ckpt-000000005.pt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "ckpt-000000004.pt",
+        "ckpt-000000005.pt",
+    ]
 
 
-def test_truncated_newest_is_reported_and_skipped(tmp_path: Path,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_truncated_newest_is_reported_and_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     save_checkpoint(_state(1.0), tmp_path, CTX, step=1)
     newest = save_checkpoint(_state(2.0), tmp_path, CTX, step=2)
     data = newest.read_bytes()
@@ -105,7 +108,7 @@ def test_digest_tells_models_apart() -> None:
 def test_unwritable_folder_is_a_clear_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(CheckpointError, match="cannot write checkpoints to .*--checkpoint-dir"):
+    with pytest.raises(CheckpointError, match=r"cannot write checkpoints to .*--checkpoint-dir"):
         check_writable(blocker / "sub")
 
 
@@ -114,8 +117,7 @@ def _save_on_all_ranks(ctx: DistContext, folder: str) -> list[str]:
     path = save_checkpoint(_state(float(ctx.rank)), folder, ctx, step=1)
     # after the barrier every rank can read the file rank 0 wrote
     state = load_checkpoint(path, ctx)
-    return [p.name for p in Path(folder).iterdir()] + [str(state["epoch"]),
-                                                       str(len(state["rng"]))]
+    return [p.name for p in Path(folder).iterdir()] + [str(state["epoch"]), str(len(state["rng"]))]
 
 
 def test_only_rank0_writes_and_every_rank_sees_the_file(tmp_path: Path) -> None:

@@ -21,8 +21,14 @@ def test_default_job_trains_digits_on_every_core_to_95_percent() -> None:
     out = _result(run_cli("train", "--json"))
     assert out["example"] == "digits" and out["nproc"] >= 1
     assert out["test_accuracy"] >= 0.95
-    for key in ("epochs", "global_step", "samples_per_s", "final_loss", "checkpoint",
-                "model_digest"):
+    for key in (
+        "epochs",
+        "global_step",
+        "samples_per_s",
+        "final_loss",
+        "checkpoint",
+        "model_digest",
+    ):
         assert key in out
 
 
@@ -31,8 +37,7 @@ def test_seed_job_resumed_after_two_epochs_matches_four_straight(tmp_path: Path)
     common = ("train", "--example", "seed", "--nproc", "2", "--json")
     straight = _result(run_cli(*common, "--epochs", "4", "--checkpoint-dir", str(tmp_path / "a")))
     first = _result(run_cli(*common, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "b")))
-    resumed = run_cli(*common, "--epochs", "4", "--checkpoint-dir", str(tmp_path / "b"),
-                      "--resume")
+    resumed = run_cli(*common, "--epochs", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
     out = _result(resumed)
     assert "resumed from" in resumed.stdout and "epoch 3" in resumed.stdout
     assert first["model_digest"] != straight["model_digest"]
@@ -57,13 +62,13 @@ def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     _one_line_error(run_cli("train", "--example", "mnist"), "unknown example 'mnist'", "digits")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    _one_line_error(run_cli("train", "--checkpoint-dir", str(blocker / "ck")),
-                    "cannot write checkpoints")
+    _one_line_error(
+        run_cli("train", "--checkpoint-dir", str(blocker / "ck")), "cannot write checkpoints"
+    )
     corrupt = tmp_path / "ck"
     corrupt.mkdir()
     (corrupt / "ckpt-000000010.pt").write_bytes(b"\x00garbage")
-    _one_line_error(run_cli("train", "--checkpoint-dir", str(corrupt), "--resume"),
-                    "could be read")
+    _one_line_error(run_cli("train", "--checkpoint-dir", str(corrupt), "--resume"), "could be read")
 
 
 def test_help_and_version() -> None:

@@ -65,7 +65,7 @@ def test_shard_sampler_lengths() -> None:
 
 def test_training_set_smaller_than_world_is_an_error() -> None:
     ctx = DistContext(rank=0, world_size=4)
-    with pytest.raises(ConfigError, match="3 sample.*4 ranks"):
+    with pytest.raises(ConfigError, match=r"3 sample.*4 ranks"):
         prepare_loader(_indices(3), ctx, batch_size=1)
 
 
@@ -94,8 +94,9 @@ class _RandomDraws(Dataset[float]):
 
 
 def _draws(seed: int, epoch: int) -> list[float]:
-    loader = prepare_loader(_RandomDraws(), DistContext(), 2, seed=seed, num_workers=2,
-                            shuffle=False)
+    loader = prepare_loader(
+        _RandomDraws(), DistContext(), 2, seed=seed, num_workers=2, shuffle=False
+    )
     loader.set_epoch(epoch)
     return [float(x) for batch in loader for x in batch]
 

@@ -25,9 +25,15 @@ def _identity(ctx: DistContext, tag: str) -> dict[str, object]:
     ranks: list[object] = [None] * ctx.world_size
     dist.all_gather_object(ranks, (ctx.rank, ctx.local_rank, torch.get_num_threads()))
     return {
-        "tag": tag, "sum": t.item(), "ranks": ranks, "world": ctx.world_size,
-        "backend": ctx.backend, "device": str(ctx.device), "main": ctx.is_main,
-        "port": os.environ.get("MASTER_PORT"), "pid": os.getpid(),
+        "tag": tag,
+        "sum": t.item(),
+        "ranks": ranks,
+        "world": ctx.world_size,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "main": ctx.is_main,
+        "port": os.environ.get("MASTER_PORT"),
+        "pid": os.getpid(),
     }
 
 
@@ -90,7 +96,9 @@ def test_failing_rank_is_named_with_its_traceback_and_nothing_is_left(tmp_path: 
     err = info.value
     assert err.rank == 1 and err.exc_type == "ValueError"
     assert "rank one is broken" in str(err)
-    assert "_fail_on_rank1" in err.traceback and 'raise ValueError("rank one is broken")' in str(err)
+    assert "_fail_on_rank1" in err.traceback and 'raise ValueError("rank one is broken")' in str(
+        err
+    )
     assert elapsed < 20, f"the blocked rank 0 was not stopped in time ({elapsed:.1f}s)"
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 2 and wait_gone(pids, within=1.0) == []
@@ -165,8 +173,9 @@ def test_parent_killed_hard_leaves_no_orphan(tmp_path: Path) -> None:
 
 def test_under_torchrun_env_it_runs_in_place(tmp_path: Path) -> None:
     script = tmp_path / "inplace.py"
-    script.write_text(textwrap.dedent(
-        """
+    script.write_text(
+        textwrap.dedent(
+            """
         import os, ddpkit
         def f(ctx):
             return (os.getpid(), ctx.rank, ctx.world_size, ctx.backend)
@@ -175,10 +184,18 @@ def test_under_torchrun_env_it_runs_in_place(tmp_path: Path) -> None:
             assert pid == os.getpid(), "spawned instead of running in place"
             print(rank, world, backend)
         """
-    ))
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                         text=True, timeout=120)
+        )
+    )
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+    }
+    out = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "gloo"]

@@ -20,8 +20,9 @@ from ddpkit.trainer import TrainConfig, Trainer
 
 
 def _bn_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(4 * 6 * 6, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)
+    )
 
 
 def _layer_types(ctx: DistContext, sync: bool) -> list[str]:
@@ -61,8 +62,14 @@ def _classification_data(n: int, seed: int) -> TensorDataset:
 
 
 def _dropout_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3),
-                         nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )
 
 
 def _train(ctx: DistContext, config: TrainConfig) -> dict[str, Any]:
@@ -70,21 +77,37 @@ def _train(ctx: DistContext, config: TrainConfig) -> dict[str, Any]:
     model = _dropout_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    trainer = Trainer(model, opt, _classification_data(90, 1), ctx, config,
-                      eval_set=_classification_data(7, 2), scheduler=sched,
-                      log_fn=lambda s: None)
+    trainer = Trainer(
+        model,
+        opt,
+        _classification_data(90, 1),
+        ctx,
+        config,
+        eval_set=_classification_data(7, 2),
+        scheduler=sched,
+        log_fn=lambda s: None,
+    )
     fit = trainer.fit()
-    return {"digest": model_digest(trainer.model), "step": fit.global_step, "eval": fit.eval,
-            "epochs": fit.epochs, "lr": opt.param_groups[0]["lr"]}
+    return {
+        "digest": model_digest(trainer.model),
+        "step": fit.global_step,
+        "eval": fit.eval,
+        "epochs": fit.epochs,
+        "lr": opt.param_groups[0]["lr"],
+    }
 
 
 def test_resume_is_bit_exact_and_eval_counts_each_sample_once(tmp_path: Path) -> None:
-    straight = launch(_train, TrainConfig(epochs=4, batch_size=8, checkpoint_dir=str(tmp_path / "a")),
-                      nprocs=2)
+    straight = launch(
+        _train, TrainConfig(epochs=4, batch_size=8, checkpoint_dir=str(tmp_path / "a")), nprocs=2
+    )
     half = TrainConfig(epochs=2, batch_size=8, checkpoint_dir=str(tmp_path / "b"))
     first = launch(_train, half, nprocs=2)
-    resumed = launch(_train, TrainConfig(epochs=4, batch_size=8, resume=True,
-                                         checkpoint_dir=str(tmp_path / "b")), nprocs=2)
+    resumed = launch(
+        _train,
+        TrainConfig(epochs=4, batch_size=8, resume=True, checkpoint_dir=str(tmp_path / "b")),
+        nprocs=2,
+    )
     assert first["digest"] != straight["digest"]
     assert resumed["digest"] == straight["digest"]  # parameters, buffers: bit for bit
     assert resumed["step"] == straight["step"] == 4 * 6  # 90 samples / (8 x 2 ranks) -> 6 steps

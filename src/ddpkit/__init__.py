@@ -19,14 +19,62 @@ _EXPORTS = {
     "CheckpointError": "ddpkit.errors",
     "WorkerError": "ddpkit.errors",
     "launch": "ddpkit.launch",
+    "prepare_model": "ddpkit.model",
+    "unwrap": "ddpkit.model",
+    "prepare_loader": "ddpkit.data",
+    "reduce_sum": "ddpkit.metrics",
+    "reduce_sums": "ddpkit.metrics",
+    "reduce_mean": "ddpkit.metrics",
+    "save_checkpoint": "ddpkit.checkpoint",
+    "load_checkpoint": "ddpkit.checkpoint",
+    "latest_checkpoint": "ddpkit.checkpoint",
+    "model_digest": "ddpkit.checkpoint",
+    "seed_everything": "ddpkit.seed",
+    "SyncBatchNorm": "ddpkit.syncbn",
+    "Trainer": "ddpkit.trainer",
+    "TrainConfig": "ddpkit.trainer",
+    "FitResult": "ddpkit.trainer",
+    "Job": "ddpkit.job",
 }
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DdpkitError",
+    "DistContext",
+    "FitResult",
+    "Job",
+    "SyncBatchNorm",
+    "TrainConfig",
+    "Trainer",
+    "WorkerError",
+    "__version__",
+    "latest_checkpoint",
+    "launch",
+    "load_checkpoint",
+    "model_digest",
+    "prepare_loader",
+    "prepare_model",
+    "reduce_mean",
+    "reduce_sum",
+    "reduce_sums",
+    "save_checkpoint",
+    "seed_everything",
+    "unwrap",
+]
 
 if TYPE_CHECKING:
+    from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, model_digest, save_checkpoint
     from ddpkit.context import DistContext
+    from ddpkit.data import prepare_loader
     from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, WorkerError
+    from ddpkit.job import Job
     from ddpkit.launch import launch
+    from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums
+    from ddpkit.model import prepare_model, unwrap
+    from ddpkit.seed import seed_everything
+    from ddpkit.syncbn import SyncBatchNorm
+    from ddpkit.trainer import FitResult, TrainConfig, Trainer
 
 
 def __getattr__(name: str) -> Any:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+_CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -22,7 +24,7 @@ class DistContext:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
-    device: torch.device = torch.device("cpu")
+    device: torch.device = _CPU
     backend: str = "gloo"
 
     @property
@@ -59,8 +61,10 @@ class DistContext:
             device = torch.device("cuda", local_rank % torch.cuda.device_count())
         else:
             device = torch.device("cpu")
-        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else (
-            "nccl" if device.type == "cuda" else "gloo"
+        backend = (
+            dist.get_backend()
+            if dist.is_available() and dist.is_initialized()
+            else ("nccl" if device.type == "cuda" else "gloo")
         )
         return cls(rank, local_rank, world, local_world, device, str(backend))
 

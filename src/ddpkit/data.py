@@ -113,8 +113,12 @@ def prepare_loader(
                     f"ranks, so some rank would get none: use a larger dataset or --nproc {size}"
                 )
             sampler = DistributedSampler(
-                dataset, num_replicas=ctx.world_size, rank=ctx.rank,
-                shuffle=True if shuffle is None else shuffle, seed=seed, drop_last=drop_last,
+                dataset,
+                num_replicas=ctx.world_size,
+                rank=ctx.rank,
+                shuffle=True if shuffle is None else shuffle,
+                seed=seed,
+                drop_last=drop_last,
             )
     generator = torch.Generator()
     generator.manual_seed(seed + ctx.rank)

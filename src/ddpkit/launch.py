@@ -8,6 +8,7 @@ every worker within seconds when one fails. Under torchrun it spawns nothing and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, WorkerError
 
 log = logging.getLogger("ddpkit")
+
+# Public in torch.distributed, but not re-exported in its type stubs.
+TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
+HashStore: Any = dist.HashStore  # type: ignore[attr-defined]
 
 T = TypeVar("T")
 Backend = Literal["auto", "gloo", "nccl"]
@@ -61,7 +66,9 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend 'nccl' needs a CUDA GPU and none is visible: pass backend='gloo'")
+        raise ConfigError(
+            "backend 'nccl' needs a CUDA GPU and none is visible: pass backend='gloo'"
+        )
     return backend
 
 
@@ -72,7 +79,9 @@ def resolve_nprocs(nprocs: int | str, backend: str) -> int:
     if isinstance(nprocs, str) and nprocs.isdigit():
         nprocs = int(nprocs)
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-        raise ConfigError(f"nprocs must be 'auto' or an integer >= 1 (got {nprocs!r}): pass --nproc 2")
+        raise ConfigError(
+            f"nprocs must be 'auto' or an integer >= 1 (got {nprocs!r}): pass --nproc 2"
+        )
     if backend == "nccl" and nprocs > torch.cuda.device_count():
         raise ConfigError(
             f"nprocs={nprocs} but only {torch.cuda.device_count()} GPU(s) are visible: "
@@ -138,8 +147,9 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_group(backend: str, rank: int, world: int, device: torch.device, timeout_s: float,
-                **how: Any) -> None:
+def _init_group(
+    backend: str, rank: int, world: int, device: torch.device, timeout_s: float, **how: Any
+) -> None:
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), **how}
     if device.type == "cuda":
         kwargs["device_id"] = device
@@ -149,7 +159,7 @@ def _init_group(backend: str, rank: int, world: int, device: torch.device, timeo
 def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
     """One process: no spawn, but a real (size-1) group so collectives in user code work."""
     device = _device_for(backend, 0)
-    _init_group(backend, 0, 1, device, timeout_s, store=dist.HashStore())
+    _init_group(backend, 0, 1, device, timeout_s, store=HashStore())
     try:
         return fn(DistContext(0, 0, 1, 1, device, backend), *args)
     finally:
@@ -172,12 +182,12 @@ def _spawn(
     fn: Callable[..., T], args: tuple[Any, ...], n: int, backend: str, init: str, timeout_s: float
 ) -> T:
     mp = multiprocessing.get_context("spawn")
-    store: dist.TCPStore | None = None
+    store: Any = None
     tmpdir: str | None = None
     if init == "tcp":
         # The parent owns the store for the whole job: port 0 lets the OS pick a free
         # port and holding it open means a second job can never get the same one.
-        store = dist.TCPStore(_LOOPBACK, 0, n, is_master=True, wait_for_workers=False)
+        store = TCPStore(_LOOPBACK, 0, n, is_master=True, wait_for_workers=False)
     else:
         tmpdir = tempfile.mkdtemp(prefix="ddpkit-init-")
     level = logging.getLogger("ddpkit").getEffectiveLevel()
@@ -186,11 +196,18 @@ def _spawn(
     try:
         for rank in range(n):
             spec = _Spec(
-                rank, n, backend, store.port if store else None,
-                os.path.join(tmpdir, "rendezvous") if tmpdir else None, timeout_s, level,
+                rank,
+                n,
+                backend,
+                store.port if store else None,
+                os.path.join(tmpdir, "rendezvous") if tmpdir else None,
+                timeout_s,
+                level,
             )
             recv, send = mp.Pipe(duplex=False)
-            proc = mp.Process(target=_worker, args=(spec, fn, args, send), name=f"ddpkit-rank{rank}")
+            proc = mp.Process(
+                target=_worker, args=(spec, fn, args, send), name=f"ddpkit-rank{rank}"
+            )
             try:
                 proc.start()
             except (AttributeError, TypeError, ValueError) as exc:  # pickling fn or args
@@ -202,7 +219,7 @@ def _spawn(
             finally:
                 send.close()
             procs[rank], conns[rank] = proc, recv
-        return _supervise(procs, conns)
+        return cast(T, _supervise(procs, conns))
     finally:
         _stop(procs.values())
         for conn in conns.values():
@@ -232,8 +249,15 @@ def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> A
             else:
                 _, when, exc_type, text, tb = msg
                 failures.append(
-                    (when, WorkerError(rank, f"rank {rank} raised {exc_type}: {text}",
-                                       exc_type=exc_type, traceback=tb))
+                    (
+                        when,
+                        WorkerError(
+                            rank,
+                            f"rank {rank} raised {exc_type}: {text}",
+                            exc_type=exc_type,
+                            traceback=tb,
+                        ),
+                    )
                 )
 
     while running:
@@ -249,8 +273,9 @@ def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> A
             del running[rank]
             code = proc.exitcode
             if code != 0 and not any(f.rank == rank for _, f in failures):
-                failures.append((time.time(), WorkerError(rank, _describe_exit(rank, code),
-                                                          exitcode=code)))
+                failures.append(
+                    (time.time(), WorkerError(rank, _describe_exit(rank, code), exitcode=code))
+                )
         if failures:
             # The rank that failed first is the cause; later ones usually fail because
             # their peer went away ("connection closed by peer").
@@ -316,8 +341,11 @@ def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Co
         logging.basicConfig(level=spec.log_level, format=f"[rank {spec.local_rank}] %(message)s")
     rank, world = spec.local_rank, spec.world_size
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR=_LOOPBACK,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR=_LOOPBACK,
         MASTER_PORT=str(spec.store_port or 0),
     )
     if "OMP_NUM_THREADS" not in os.environ:
@@ -326,12 +354,23 @@ def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Co
     try:
         device = _device_for(spec.backend, rank)
         if spec.store_port is not None:
-            store = dist.TCPStore(_LOOPBACK, spec.store_port, world, is_master=False,
-                                  timeout=timedelta(seconds=spec.timeout_s))
+            store = TCPStore(
+                _LOOPBACK,
+                spec.store_port,
+                world,
+                is_master=False,
+                timeout=timedelta(seconds=spec.timeout_s),
+            )
             _init_group(spec.backend, rank, world, device, spec.timeout_s, store=store)
         else:
-            _init_group(spec.backend, rank, world, device, spec.timeout_s,
-                        init_method=f"file://{spec.init_file}")
+            _init_group(
+                spec.backend,
+                rank,
+                world,
+                device,
+                spec.timeout_s,
+                init_method=f"file://{spec.init_file}",
+            )
         initialised = True
         result = fn(DistContext(rank, rank, world, world, device, spec.backend), *args)
         conn.send(("ok", result if rank == 0 else None))
@@ -350,7 +389,6 @@ def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Co
 
 
 def _report(conn: Connection, exc: BaseException) -> None:
-    try:
+    # If the parent is gone or the pipe broke, the exit code still tells.
+    with contextlib.suppress(Exception):
         conn.send(("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc()))
-    except Exception:  # the parent is gone or the pipe broke: the exit code still tells
-        pass

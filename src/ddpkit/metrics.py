@@ -13,8 +13,12 @@ Number = float | int | torch.Tensor
 
 
 def _stack(values: Sequence[Number], ctx: DistContext) -> torch.Tensor:
-    parts = [v.detach().reshape(()).double() if isinstance(v, torch.Tensor) else
-             torch.tensor(float(v), dtype=torch.float64) for v in values]
+    parts = [
+        v.detach().reshape(()).double()
+        if isinstance(v, torch.Tensor)
+        else torch.tensor(float(v), dtype=torch.float64)
+        for v in values
+    ]
     # nccl only reduces tensors on the GPU; gloo wants them on the CPU.
     return torch.stack([p.to(ctx.device) for p in parts])
 

@@ -1,4 +1,5 @@
-"""prepare_model: the seed's `model.to(gpu_id)` + SyncBatchNorm + `DDP(model, device_ids=[gpu_id])`."""
+"""prepare_model: the seed's `model.to(gpu_id)`, SyncBatchNorm and
+`DDP(model, device_ids=[gpu_id])`, in the right order."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ def seed_everything(seed: int) -> None:
 def rng_state() -> dict[str, Any]:
     """This process's RNG states, as types that `torch.load(weights_only=True)` accepts."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(_py_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     if "numpy" in sys.modules:
         kind, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state(legacy=True)

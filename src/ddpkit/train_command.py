@@ -13,26 +13,44 @@ HELP = "train a built-in job (default: digits) with DDP on every GPU or CPU core
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("train", help=HELP, description=HELP)
     p.add_argument("--example", default="digits", help="built-in job: digits (default) or seed")
-    p.add_argument("--nproc", default="auto",
-                   help="processes: 'auto' = one per GPU, else one per CPU core (default)")
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto = nccl on GPUs, gloo on CPU")
+    p.add_argument(
+        "--nproc",
+        default="auto",
+        help="processes: 'auto' = one per GPU, else one per CPU core (default)",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "gloo", "nccl"),
+        help="auto = nccl on GPUs, gloo on CPU",
+    )
     p.add_argument("--epochs", type=int, help="epochs to train (default: the example's)")
     p.add_argument("--batch-size", type=int, help="samples per rank per step")
     p.add_argument("--save-every", type=int, help="checkpoint every N epochs (and at the end)")
     p.add_argument("--checkpoint-dir", help="folder for checkpoints (default: none written)")
     p.add_argument("--keep-last", type=int, help="checkpoints to keep (default 3)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --checkpoint-dir")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir",
+    )
     p.add_argument("--seed", type=int, help="seed of every RNG and of the data order (default 0)")
     p.add_argument("--num-workers", type=int, help="data-loading processes per rank")
-    p.add_argument("--json", action="store_true",
-                   help="print the result as one JSON object on the last line")
+    p.add_argument(
+        "--json", action="store_true", help="print the result as one JSON object on the last line"
+    )
     p.set_defaults(func=run)
 
 
-_CONFIG_FLAGS = ("epochs", "batch_size", "save_every", "checkpoint_dir", "keep_last",
-                 "seed", "num_workers")
+_CONFIG_FLAGS = (
+    "epochs",
+    "batch_size",
+    "save_every",
+    "checkpoint_dir",
+    "keep_last",
+    "seed",
+    "num_workers",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         check_writable(config.checkpoint_dir)
         if config.resume:
             latest_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
-    result = launch(train_worker, args.example, config, nprocs=nproc, backend=backend)
+    result = launch(train_worker, args.example, config, nprocs=nproc, backend=backend)  # type: ignore[arg-type]
     result["nproc"] = nproc
     if args.json:
         print(json.dumps(result), flush=True)
@@ -81,8 +99,14 @@ def train_worker(ctx: Any, example: str, config: Any) -> dict[str, Any]:
     seed_everything(config.seed)
     job = example_module(example).build(ctx)
     trainer = Trainer(
-        job.model, job.optimizer, job.train_set, ctx, config,
-        loss_fn=job.loss_fn, eval_set=job.eval_set, scheduler=job.scheduler,
+        job.model,
+        job.optimizer,
+        job.train_set,
+        ctx,
+        config,
+        loss_fn=job.loss_fn,
+        eval_set=job.eval_set,
+        scheduler=job.scheduler,
     )
     fit = trainer.fit()
     return {

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -60,13 +60,25 @@ class TrainConfig:
             value = getattr(self, name)
             flag = "--" + name.replace("_", "-")
             need(isinstance(value, int) and value >= 1, name, ">= 1", f"pass {flag} 1 or more")
-        need(isinstance(self.save_every, int) and self.save_every >= 0, "save_every",
-             ">= 0", "pass --save-every 0 to save after the last epoch only")
-        need(isinstance(self.num_workers, int) and self.num_workers >= 0, "num_workers",
-             ">= 0", "pass --num-workers 0 to load data in the training process")
+        need(
+            isinstance(self.save_every, int) and self.save_every >= 0,
+            "save_every",
+            ">= 0",
+            "pass --save-every 0 to save after the last epoch only",
+        )
+        need(
+            isinstance(self.num_workers, int) and self.num_workers >= 0,
+            "num_workers",
+            ">= 0",
+            "pass --num-workers 0 to load data in the training process",
+        )
         need(isinstance(self.seed, int), "seed", "an integer", "pass --seed 0")
-        need(not self.resume or self.checkpoint_dir is not None, "resume",
-             "used with a checkpoint folder", "pass --checkpoint-dir DIR with --resume")
+        need(
+            not self.resume or self.checkpoint_dir is not None,
+            "resume",
+            "used with a checkpoint folder",
+            "pass --checkpoint-dir DIR with --resume",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -108,18 +120,32 @@ class Trainer:
         self.ctx = ctx
         self.config = config = config or TrainConfig()
         self.model = prepare_model(
-            model, ctx, sync_batchnorm=config.sync_batchnorm,
+            model,
+            ctx,
+            sync_batchnorm=config.sync_batchnorm,
             find_unused_parameters=config.find_unused_parameters,
         )
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.loss_fn = loss_fn
         self.train_loader = prepare_loader(
-            train_set, ctx, config.batch_size, seed=config.seed,
-            num_workers=config.num_workers, drop_last=config.drop_last,
+            train_set,
+            ctx,
+            config.batch_size,
+            seed=config.seed,
+            num_workers=config.num_workers,
+            drop_last=config.drop_last,
         )
-        self.eval_loader = None if eval_set is None else prepare_loader(
-            eval_set, ctx, config.batch_size, evaluation=True, num_workers=config.num_workers,
+        self.eval_loader = (
+            None
+            if eval_set is None
+            else prepare_loader(
+                eval_set,
+                ctx,
+                config.batch_size,
+                evaluation=True,
+                num_workers=config.num_workers,
+            )
         )
         self.log_fn = log_fn or _print
         self.epoch = 0  # the next epoch to run
@@ -143,12 +169,17 @@ class Trainer:
             metrics = self.evaluate() if self.eval_loader is not None else {}
             self._log_epoch(epoch, loss, n / max(seconds, 1e-9), seconds, metrics)
             last = self.epoch == cfg.epochs
-            if cfg.checkpoint_dir and (last or (cfg.save_every and self.epoch % cfg.save_every == 0)):
+            if cfg.checkpoint_dir and (
+                last or (cfg.save_every and self.epoch % cfg.save_every == 0)
+            ):
                 self.save()
         return FitResult(
-            epochs=self.epoch, global_step=self.global_step,
-            samples_per_s=samples / train_time if train_time else 0.0, final_loss=loss,
-            eval=metrics, checkpoint=self.last_checkpoint,
+            epochs=self.epoch,
+            global_step=self.global_step,
+            samples_per_s=samples / train_time if train_time else 0.0,
+            final_loss=loss,
+            eval=metrics,
+            checkpoint=self.last_checkpoint,
         )
 
     def _train_epoch(self, epoch: int) -> tuple[float, int, float]:
@@ -164,7 +195,7 @@ class Trainer:
             targets = targets.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = self.loss_fn(model(inputs), targets)
-            loss.backward()  # DDP averages the gradients across ranks here
+            loss.backward()  # type: ignore[no-untyped-call]  # DDP averages the gradients across ranks here
             optimizer.step()
             loss_sum.add_(loss.detach(), alpha=len(targets))
             count += len(targets)
@@ -225,8 +256,11 @@ class Trainer:
         """Checkpoint now (call on every rank; rank 0 writes)."""
         assert self.config.checkpoint_dir is not None
         self.last_checkpoint = save_checkpoint(
-            self.state_dict(), self.config.checkpoint_dir, self.ctx,
-            step=self.global_step, keep_last=self.config.keep_last,
+            self.state_dict(),
+            self.config.checkpoint_dir,
+            self.ctx,
+            step=self.global_step,
+            keep_last=self.config.keep_last,
         )
         return self.last_checkpoint
 
@@ -249,7 +283,8 @@ class Trainer:
             log.warning(
                 "checkpoint was written by %d rank(s), this job has %d: random state is "
                 "not restored, so the run will not repeat the uninterrupted one exactly",
-                len(rngs), self.ctx.world_size,
+                len(rngs),
+                self.ctx.world_size,
             )
         self.last_checkpoint = path
         self._say(f"resumed from {path} at epoch {self.epoch + 1} (step {self.global_step})")
@@ -259,10 +294,15 @@ class Trainer:
         if self.ctx.is_main:
             self.log_fn(text)
 
-    def _log_epoch(self, epoch: int, loss: float, rate: float, seconds: float,
-                   metrics: dict[str, float]) -> None:
-        parts = [f"epoch {epoch + 1}/{self.config.epochs}", f"loss {loss:.4f}",
-                 f"{rate:,.0f} samples/s", f"{seconds:.2f}s"]
+    def _log_epoch(
+        self, epoch: int, loss: float, rate: float, seconds: float, metrics: dict[str, float]
+    ) -> None:
+        parts = [
+            f"epoch {epoch + 1}/{self.config.epochs}",
+            f"loss {loss:.4f}",
+            f"{rate:,.0f} samples/s",
+            f"{seconds:.2f}s",
+        ]
         if "eval_loss" in metrics:
             parts.append(f"eval_loss {metrics['eval_loss']:.4f}")
         if "accuracy" in metrics:
@@ -279,7 +319,8 @@ class Trainer:
             from tqdm import tqdm
         except ImportError:  # the bar is a nicety: pip install 'ddpkit[progress]'
             return loader
-        return tqdm(loader, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
+        bar = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
+        return cast(Iterable[Any], bar)
 
 
 def _print(text: str) -> None:
