@@ -247,6 +247,7 @@ class Trainer:
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "scaler": None,  # no mixed precision yet: nothing to scale
             "epoch": self.epoch,
             "global_step": self.global_step,
             "config": self.config.to_dict(),
