@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 from typing import Any
 
 HELP = "train a built-in job (default: digits) with DDP on every GPU or CPU core"
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         acc = result["test_accuracy"]
         print(
             f"done: {result['epochs']} epochs, {result['global_step']} steps, "
-            f"loss {result['final_loss']:.4f}"
+            f"loss {math.nan if result['final_loss'] is None else result['final_loss']:.4f}"
             + (f", test accuracy {acc:.2%}" if acc is not None else "")
             + f", {result['samples_per_s']:,.0f} samples/s, digest {result['model_digest'][:12]}",
             flush=True,
@@ -114,7 +115,8 @@ def train_worker(ctx: Any, example: str, config: Any) -> dict[str, Any]:
         "epochs": fit.epochs,
         "global_step": fit.global_step,
         "samples_per_s": round(fit.samples_per_s, 1),
-        "final_loss": fit.final_loss,
+        # NaN is not JSON: a resumed run with no epoch left to train has no loss.
+        "final_loss": None if math.isnan(fit.final_loss) else fit.final_loss,
         "test_accuracy": fit.eval.get("accuracy"),
         "eval_loss": fit.eval.get("eval_loss"),
         "checkpoint": str(fit.checkpoint) if fit.checkpoint else None,
