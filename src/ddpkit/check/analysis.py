@@ -1,0 +1,153 @@
+"""Everything the rules ask about one file, computed once and shared.
+
+`FileAnalysis` joins the index (one walk of the tree), the rank model (which
+conditions depend on the rank) and the call graph (where each function runs), and
+answers the questions rules have in common: which calls go to which library
+function, is this a DDP script, does this call run on every rank or only on some.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import cached_property
+
+from ddpkit.check.callgraph import CallGraph, Context
+from ddpkit.check.index import Guard, Index, Scope, Site, build_index
+from ddpkit.check.names import tail
+from ddpkit.check.ranks import RankModel
+
+DISTRIBUTED = "torch.distributed"
+DDP_CLASS = "DistributedDataParallel"
+# torch.multiprocessing.spawn / start_processes start one process per rank.
+_SPAWNERS = ("spawn", "start_processes")
+
+
+def _is_main_block(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`."""
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and len(test.comparators) == 1
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value == "__main__"
+    )
+
+
+@dataclass(frozen=True)
+class RankOnly:
+    """Why a piece of code runs on some ranks only."""
+
+    guard: Guard | None  # the rank condition (in the caller when `via` is set)
+    via: Scope | None  # the function through which it is reached, if not direct
+    # The line of the guard (or of the guarded call of `via`), for messages.
+    line: int
+
+
+class FileAnalysis:
+    def __init__(self, tree: ast.Module) -> None:
+        self.tree = tree
+        self.index: Index = build_index(tree)
+        self.imports = self.index.imports
+        self.calls_by_tail: dict[str, list[Site]] = {}
+        for site in self.index.calls:
+            name = tail(site.call.func)
+            if name is not None:
+                self.calls_by_tail.setdefault(name, []).append(site)
+
+    @cached_property
+    def ranks(self) -> RankModel:
+        return RankModel(self.index)
+
+    @cached_property
+    def callgraph(self) -> CallGraph:
+        return CallGraph(self.index, self.ranks)
+
+    # -- finding calls ----------------------------------------------------------------
+
+    def calls(self, *names: str) -> list[Site]:
+        """Calls whose callee's last name is one of `names` (`dist.barrier`, `barrier`)."""
+        if len(names) == 1:
+            return self.calls_by_tail.get(names[0], [])
+        return [site for name in names for site in self.calls_by_tail.get(name, ())]
+
+    def resolved_calls(self, module: str, names: frozenset[str]) -> list[tuple[Site, str]]:
+        """Calls that resolve through the imports to `module.<name>`, with that name."""
+        found = []
+        for name in names:
+            for site in self.calls_by_tail.get(name, ()):
+                member = self.imports.resolves_to(site.call.func, module, names)
+                if member is not None:
+                    found.append((site, member))
+        return found
+
+    def mentions(self, name: str) -> bool:
+        """True when `name` is read anywhere (as a name or an attribute), even in `except`."""
+        return name in self.index.seen or name in self.index.seen_in_except
+
+    @cached_property
+    def process_group_inits(self) -> list[Site]:
+        return self.calls("init_process_group")
+
+    @cached_property
+    def ddp_names(self) -> frozenset[str]:
+        """Names the DDP class goes by here: DistributedDataParallel and import aliases (DDP)."""
+        names = {DDP_CLASS}
+        names.update(
+            alias for alias, q in self.imports.aliases.items() if q.endswith("." + DDP_CLASS)
+        )
+        return frozenset(names)
+
+    @cached_property
+    def ddp_wraps(self) -> list[Site]:
+        """Calls that wrap a model in DistributedDataParallel, in source order."""
+        sites = [site for name in self.ddp_names for site in self.calls_by_tail.get(name, ())]
+        return sorted(sites, key=lambda s: (s.line, s.call.col_offset))
+
+    def is_ddp_wrap(self, node: ast.expr) -> bool:
+        return isinstance(node, ast.Call) and tail(node.func) in self.ddp_names
+
+    @cached_property
+    def is_ddp_script(self) -> bool:
+        """The file sets up or uses DDP itself (rather than being a plain training script)."""
+        return bool(self.process_group_inits or self.ddp_wraps or self.calls("DistributedSampler"))
+
+    # -- where code runs ----------------------------------------------------------------
+
+    def runs_on_every_rank(self, site: Site) -> bool:
+        """True only when sure: no rank guard around it and its function runs on every rank."""
+        if self.ranks.rank_guard(site.guards, site.scope) is not None:
+            return False
+        return self.callgraph.context(site.scope) is Context.ALL
+
+    def rank_only(self, site: Site) -> RankOnly | None:
+        """Why `site` runs on some ranks only, or None when it may run on all of them."""
+        guard = self.ranks.rank_guard(site.guards, site.scope)
+        if guard is not None:
+            return RankOnly(guard, None, guard.test.lineno)
+        if self.callgraph.context(site.scope) is not Context.GUARDED:
+            return None
+        witness = self.callgraph.witness(site.scope)
+        if witness is None or witness.ref is None:
+            return RankOnly(None, site.scope, getattr(site.scope.node, "lineno", 1))
+        line = witness.guard.test.lineno if witness.guard is not None else witness.ref.line
+        return RankOnly(witness.guard, site.scope, line)
+
+    @cached_property
+    def launcher_scopes(self) -> set[Scope]:
+        """Scopes that start the ranks with `mp.spawn(...)`."""
+        return {site.scope for site in self.calls(*_SPAWNERS)}
+
+    def in_launcher(self, site: Site) -> bool:
+        """Code of the parent process that spawns the ranks: it is not a rank itself."""
+        launchers = self.launcher_scopes
+        if not launchers:
+            return False
+        if not site.scope.is_module:
+            return site.scope in launchers
+        return any(_is_main_block(g.test) for g in site.guards)
+
+    @cached_property
+    def functions_in_loops(self) -> set[Scope]:
+        return self.callgraph.called_in_loops()

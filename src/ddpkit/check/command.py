@@ -1,0 +1,93 @@
+"""`ddpkit check PATH...`: the command-line front end of the checker.
+
+Exit status: 0 clean, 1 findings, 2 usage errors, missing paths or files that
+could not be read or parsed (the other files are still checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ddpkit.check.explain import explain
+from ddpkit.check.output import format_json, format_text, summary
+from ddpkit.check.rules import RULES
+from ddpkit.check.runner import SelectionError, check_paths
+
+HELP = "find DDP pitfalls in training scripts without running them (no torch needed)"
+USAGE_ERROR = 2
+
+
+def _codes(values: list[str] | None) -> list[str] | None:
+    """`--select DDP101,DDP103 --select DDP106` -> ["DDP101", "DDP103", "DDP106"]."""
+    if values is None:
+        return None
+    return [code for value in values for code in value.split(",") if code.strip()]
+
+
+def add_parser(sub: Any) -> None:
+    codes = "\n".join(f"  {r.code} {r.severity.value:<7}  {r.summary}" for r in RULES)
+    p: argparse.ArgumentParser = sub.add_parser(
+        "check",
+        help=HELP,
+        description=f"{HELP[0].upper()}{HELP[1:]}.\n\nrules:\n{codes}",
+        epilog="Silence one line with `# noqa: DDP103`; `--explain CODE` says why a rule "
+        "exists.\nExit status: 0 clean, 1 findings, 2 usage error or unreadable file.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("paths", nargs="*", metavar="PATH", help="files and folders (*.py, recursively)")
+    p.add_argument(
+        "--format", choices=("text", "json"), default="text", help="output format (default text)"
+    )
+    p.add_argument(
+        "--select",
+        action="append",
+        metavar="CODES",
+        help="only these codes or prefixes, comma-separated (e.g. DDP103,DDP106 or DDP1)",
+    )
+    p.add_argument(
+        "--ignore", action="append", metavar="CODES", help="skip these codes or prefixes"
+    )
+    p.add_argument("--explain", metavar="CODE", help="print why a rule exists, with examples")
+    p.set_defaults(func=run)
+
+
+def _usage_error(message: str) -> int:
+    print(f"ddpkit check: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        try:
+            sys.stdout.write(explain(args.explain))
+        except KeyError:
+            known = ", ".join(r.code for r in RULES)
+            return _usage_error(f"unknown rule code {args.explain!r} (known: {known})")
+        return 0
+    if not args.paths:
+        return _usage_error("give at least one file or folder to check, e.g. `ddpkit check .`")
+    try:
+        report = check_paths(args.paths, select=_codes(args.select), ignore=_codes(args.ignore))
+    except SelectionError as exc:
+        return _usage_error(str(exc))
+    for path in report.missing:
+        print(f"ddpkit check: error: no such file or folder: {path}", file=sys.stderr)
+    line = summary(report.findings, report.files_checked)
+    if args.format == "json":
+        sys.stdout.write(format_json(report.findings))
+        print(line, file=sys.stderr)  # stdout stays one JSON document
+    else:
+        sys.stdout.write(format_text(report.findings))
+        print(line)
+    return report.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ddpkit.check` without the rest of the ddpkit command."""
+    parser = argparse.ArgumentParser(prog="ddpkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)

@@ -1,0 +1,209 @@
+"""`ddpkit check --explain CODE`: why a rule exists, with a wrong and a right example."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddpkit.check.model import UNREADABLE
+from ddpkit.check.rules import RULES_BY_CODE
+
+
+@dataclass(frozen=True)
+class Explanation:
+    why: str
+    wrong: str
+    right: str
+
+
+EXPLANATIONS: dict[str, Explanation] = {
+    "DDP101": Explanation(
+        why=(
+            "DistributedSampler shuffles with a seed made from `seed + epoch`. The epoch\n"
+            "stays 0 unless you call `set_epoch`, so every epoch visits the samples in\n"
+            "the same order, which quietly hurts convergence."
+        ),
+        wrong=(
+            "loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))\n"
+            "for epoch in range(epochs):\n"
+            "    for x, y in loader:\n"
+            "        step(x, y)"
+        ),
+        right=(
+            "loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))\n"
+            "for epoch in range(epochs):\n"
+            "    loader.sampler.set_epoch(epoch)\n"
+            "    for x, y in loader:\n"
+            "        step(x, y)"
+        ),
+    ),
+    "DDP102": Explanation(
+        why=(
+            "A sampler decides the order of the samples, so DataLoader refuses\n"
+            "`shuffle=True` together with `sampler=` (or `batch_sampler=`) and raises\n"
+            "ValueError when the job starts. DistributedSampler shuffles by itself."
+        ),
+        wrong="DataLoader(ds, batch_size=32, shuffle=True, sampler=DistributedSampler(ds))",
+        right="DataLoader(ds, batch_size=32, shuffle=False, sampler=DistributedSampler(ds))",
+    ),
+    "DDP103": Explanation(
+        why=(
+            "Every rank runs the same script. A `torch.save` that is not behind a rank-0\n"
+            "check is run by all of them, and they write the same file at the same time:\n"
+            "wasted I/O at best, a torn checkpoint at worst. The model is identical on\n"
+            "all ranks, so rank 0 alone should write it. (A file per rank, named with\n"
+            "the rank, is fine and not reported.)"
+        ),
+        wrong=(
+            "for epoch in range(epochs):\n"
+            "    train_one_epoch()\n"
+            '    torch.save(model.module.state_dict(), "ckpt.pt")'
+        ),
+        right=(
+            "for epoch in range(epochs):\n"
+            "    train_one_epoch()\n"
+            "    if rank == 0:\n"
+            '        torch.save(model.module.state_dict(), "ckpt.pt")\n'
+            "    dist.barrier()  # on every rank, if others read the file next"
+        ),
+    ),
+    "DDP104": Explanation(
+        why=(
+            "DistributedDataParallel keeps your model as its `.module`, so the wrapper's\n"
+            "state_dict() names every parameter `module.<name>`. Such a checkpoint does\n"
+            "not load into the plain model (for evaluation, or a single-GPU run) without\n"
+            "renaming the keys. Save the inner model's state_dict instead."
+        ),
+        wrong=(
+            'model = DDP(model, device_ids=[rank])\n...\ntorch.save(model.state_dict(), "ckpt.pt")'
+        ),
+        right=(
+            "model = DDP(model, device_ids=[rank])\n"
+            "...\n"
+            'torch.save(model.module.state_dict(), "ckpt.pt")'
+        ),
+    ),
+    "DDP105": Explanation(
+        why=(
+            "Under DDP each rank sees only its share of the batch, and plain BatchNorm\n"
+            "normalises with that small share's statistics; running stats then differ\n"
+            "between ranks. SyncBatchNorm computes them over the whole global batch.\n"
+            "(The seed's note: replace every BatchNorm with SyncBatchNorm.)"
+        ),
+        wrong="model = ResNetWithBatchNorm().to(rank)\nmodel = DDP(model, device_ids=[rank])",
+        right=(
+            "model = ResNetWithBatchNorm()\n"
+            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).to(rank)\n"
+            "model = DDP(model, device_ids=[rank])"
+        ),
+    ),
+    "DDP106": Explanation(
+        why=(
+            "A collective (all_reduce, barrier, broadcast, gather, ...) returns only when\n"
+            "every rank of the group has called it. Behind a rank check, rank 0 calls it\n"
+            "and the other ranks never do, so the job hangs until the timeout (the seed's\n"
+            "warning). This includes a collective inside a helper that is itself only\n"
+            "called on rank 0."
+        ),
+        wrong=(
+            "if rank == 0:\n"
+            "    dist.all_reduce(loss)          # ranks 1..N-1 never arrive\n"
+            "    print(loss.item() / world_size)"
+        ),
+        right=(
+            "dist.all_reduce(loss)              # every rank\n"
+            "if rank == 0:\n"
+            "    print(loss.item() / world_size)  # only the printing is rank-0 work"
+        ),
+    ),
+    "DDP107": Explanation(
+        why=(
+            "torch.load restores each tensor onto the device it was saved from, which is\n"
+            "usually cuda:0. Without map_location every rank loads the whole checkpoint\n"
+            "onto GPU 0, which wastes its memory or runs it out."
+        ),
+        wrong='state = torch.load("ckpt.pt")',
+        right='state = torch.load("ckpt.pt", map_location=f"cuda:{local_rank}")  # or "cpu"',
+    ),
+    "DDP108": Explanation(
+        why=(
+            "With weights_only=False, torch.load unpickles the file, and a pickle can run\n"
+            "any code when loaded. A checkpoint from a shared folder or the internet then\n"
+            "runs code on every rank of your job. The default weights_only=True loads\n"
+            "tensors, numbers, strings and containers, which is all a checkpoint needs."
+        ),
+        wrong='state = torch.load("ckpt.pt", map_location="cpu", weights_only=False)',
+        right='state = torch.load("ckpt.pt", map_location="cpu", weights_only=True)',
+    ),
+    "DDP109": Explanation(
+        why=(
+            "nccl uses the current CUDA device of each process. Unless every process\n"
+            "selects its own GPU, all of them use GPU 0: out of memory, or an nccl error\n"
+            "about duplicate GPUs. Select the device before creating the group."
+        ),
+        wrong='dist.init_process_group("nccl", rank=rank, world_size=world_size)',
+        right=(
+            "torch.cuda.set_device(local_rank)\n"
+            'dist.init_process_group("nccl", rank=rank, world_size=world_size)'
+        ),
+    ),
+    "DDP110": Explanation(
+        why=(
+            "The rendezvous port is bound by rank 0. A fixed port (the tutorial's 12355)\n"
+            "works until a second job runs on the same machine, which then fails with\n"
+            "'address already in use'. Let a launcher pick a free port. Severity: info."
+        ),
+        wrong='os.environ["MASTER_PORT"] = "12355"',
+        right=(
+            "# launched with `torchrun --standalone --nproc-per-node=gpu train.py`,\n"
+            "# which sets MASTER_ADDR/MASTER_PORT to a free port\n"
+            'dist.init_process_group(backend="nccl")'
+        ),
+    ),
+    "DDP111": Explanation(
+        why=(
+            "A process group holds sockets, threads and GPU communicators. Without\n"
+            "destroy_process_group() on the way out, the job can hang or warn at exit\n"
+            "and a relaunch in the same process fails. Destroy it in `finally` so that\n"
+            "errors clean up too."
+        ),
+        wrong=(
+            "def main(rank, world_size):\n"
+            '    dist.init_process_group("gloo", rank=rank, world_size=world_size)\n'
+            "    train()"
+        ),
+        right=(
+            "def main(rank, world_size):\n"
+            '    dist.init_process_group("gloo", rank=rank, world_size=world_size)\n'
+            "    try:\n"
+            "        train()\n"
+            "    finally:\n"
+            "        dist.destroy_process_group()"
+        ),
+    ),
+}
+
+_UNREADABLE_TEXT = (
+    f"{UNREADABLE}: file could not be read or parsed\n\n"
+    "The file was not checked: it could not be read, or it is not valid Python\n"
+    "(the message gives the parser's reason and position). Fix the file and run again;\n"
+    "this code cannot be selected, ignored or silenced.\n"
+)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line if line else "" for line in text.splitlines())
+
+
+def explain(code: str) -> str:
+    """The rationale of rule `code` with a wrong and a right example; KeyError if unknown."""
+    code = code.strip().upper()
+    if code == UNREADABLE:
+        return _UNREADABLE_TEXT
+    rule = RULES_BY_CODE[code]
+    text = EXPLANATIONS[code]
+    return (
+        f"{rule.code} ({rule.severity.value}): {rule.summary}\n\n"
+        f"{text.why}\n\n"
+        f"Wrong:\n\n{_indent(text.wrong)}\n\n"
+        f"Right:\n\n{_indent(text.right)}\n"
+    )

@@ -1,0 +1,329 @@
+"""Which values are ranks, and which conditions hold on some ranks but not others.
+
+People spell "this is rank 0" many ways: `rank == 0`, `self.gpu_id == 0`,
+`dist.get_rank() == 0`, `int(os.environ["LOCAL_RANK"]) == 0`, `if not is_main:`,
+`master_process = ddp_rank == 0`, an `is_main()` helper. The names are matched by
+pattern, and names assigned from rank expressions (`gpu = rank`, `should_save =
+rank == 0 and ...`) or parameters given a rank at a call of this file are followed.
+
+Tests that are the same on every rank are not rank conditions, even when they mention
+one: `local_rank != -1` (the "am I distributed" idiom) and `rank is None`.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Callable, Iterable
+from functools import cache
+
+from ddpkit.check.index import Assignment, Guard, Index, Scope
+from ddpkit.check.names import dotted, tail
+
+# Names that hold a rank: rank, local_rank, ddp_rank, self.global_rank, args.gpu, gpu_id.
+RANK_NAME = re.compile(
+    r"^_*(?:[a-z0-9]+_)*rank(?:_?(?:id|idx|index|num|no))?$"
+    r"|^_*(?:local_|global_)?gpu(?:_?(?:id|idx|index|rank))?$"
+    r"|^_*(?:local_)?process_index$|^_*proc_?id$",
+    re.IGNORECASE,
+)
+# Booleans that mean "this is the main process": is_main, master_process, is_rank_zero.
+PREDICATE_NAME = re.compile(
+    r"^_*(?:is|am)_(?:the_)?(?:global_|local_)?"
+    r"(?:main|master|chief|leader|primary|rank_?0|rank_?zero|zero|first)"
+    r"(?:_(?:process|proc|rank|node|worker|host|gpu|device))?$"
+    r"|^_*(?:global_|local_)?(?:main|master|chief|leader|primary)_(?:process|proc|rank|node|worker|gpu)$"
+    r"|^_*(?:rank_?0|rank_?zero)(?:_only)?$|^_*master$",
+    re.IGNORECASE,
+)
+# Functions that return a rank: dist.get_rank(), get_local_rank(), accelerator.get_rank().
+RANK_FUNCTION = re.compile(r"^_*get_(?:[a-z]+_)*rank$", re.IGNORECASE)
+RANK_ENV = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "PMI_RANK",
+    }
+)
+# Decorators whose function body runs on rank 0 only (Lightning, accelerate, mmengine).
+RANK_ZERO_DECORATORS = frozenset(
+    {"rank_zero_only", "master_only", "main_process_only", "on_main_process"}
+)
+_SPAWNERS = frozenset({"spawn", "start_processes"})
+
+
+def _cached_match(pattern: re.Pattern[str]) -> Callable[[str], bool]:
+    """A memoised `pattern.match(name) is not None`: the same names come up again and again."""
+
+    @cache
+    def match(name: str) -> bool:
+        return pattern.match(name) is not None
+
+    return match
+
+
+is_rank_name = _cached_match(RANK_NAME)
+is_predicate_name = _cached_match(PREDICATE_NAME)
+is_rank_function = _cached_match(RANK_FUNCTION)
+
+# Assigned values that can carry a rank or a rank condition; others are skipped unseen.
+_MAY_CARRY = (
+    ast.Name,
+    ast.Attribute,
+    ast.Call,
+    ast.Subscript,
+    ast.BinOp,
+    ast.Compare,
+    ast.BoolOp,
+    ast.UnaryOp,
+    ast.NamedExpr,
+)
+# Values whose truth can hinge on the rank beyond being a rank or a predicate name.
+_CONDITION_TYPES = (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.NamedExpr)
+_WRAPPERS = frozenset({"int", "str", "bool"})
+
+
+def _env_key(node: ast.expr) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _is_same_everywhere(node: ast.expr) -> bool:
+    """`None` or a negative number: compared with a rank, the answer is the same on all."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        return value is None or (isinstance(value, int) and value < 0)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return isinstance(node.operand, ast.Constant)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(_is_same_everywhere(e) for e in node.elts)
+    return False
+
+
+class RankModel:
+    """Answers "is this a rank?" and "does this condition differ between ranks?"."""
+
+    def __init__(self, index: Index) -> None:
+        self._index = index
+        self._value_names: dict[Scope, set[str]] = {}
+        self._predicate_names: dict[Scope, set[str]] = {}
+        self._value_attrs: set[str] = set()
+        self._predicate_attrs: set[str] = set()
+        self._value_functions: set[str] = set()
+        self._predicate_functions: set[str] = set()
+        self._condition_memo: dict[int, bool] = {}
+        # Answers are memoised only once the taint below has settled.
+        self._settled = False
+        self._follow_assignments(index.assignments)
+        self._follow_parameters()
+        self._follow_returns()
+        self._settled = True
+
+    # -- taint ----------------------------------------------------------------------
+
+    def _taint(self, target: ast.expr, scope: Scope, *, predicate: bool) -> bool:
+        """Mark `target` as a rank value (or predicate); True when that is news."""
+        if isinstance(target, ast.Name):
+            table = self._predicate_names if predicate else self._value_names
+            names = table.setdefault(scope, set())
+            if target.id in names:
+                return False
+            names.add(target.id)
+            return True
+        if isinstance(target, ast.Attribute):
+            attrs = self._predicate_attrs if predicate else self._value_attrs
+            if target.attr in attrs:
+                return False
+            attrs.add(target.attr)
+            return True
+        return False
+
+    def _follow_assignments(self, assignments: Iterable[Assignment]) -> None:
+        todo = [a for a in assignments if isinstance(a.value, _MAY_CARRY)]
+        # A second round only revisits what came before the last new taint (an alias
+        # used above its definition, e.g. a method above __init__); later ones saw it all.
+        for _ in range(2):
+            last_change = -1
+            for position, a in enumerate(todo):
+                value = a.value
+                if self.is_rank_value(value, a.scope):
+                    if self._taint(a.target, a.scope, predicate=False):
+                        last_change = position
+                elif (
+                    self._condition(value, a.scope)
+                    if isinstance(value, _CONDITION_TYPES)
+                    else self.is_rank_predicate(value, a.scope)
+                ) and self._taint(a.target, a.scope, predicate=True):
+                    last_change = position
+            if last_change <= 0:
+                break
+            todo = todo[:last_change]
+
+    def _follow_parameters(self) -> None:
+        """A parameter that a call of this file passes a rank to is a rank."""
+        index = self._index
+        by_name: dict[str, list[Scope]] = {}
+        for fn in index.functions:
+            if not fn.is_method:
+                by_name.setdefault(fn.name, []).append(fn)
+        for cls_name, info in index.classes.items():
+            init = info.methods.get("__init__")
+            if init is not None:
+                by_name.setdefault(cls_name, []).append(init)
+        changed = False
+        for site in index.calls:
+            call = site.node
+            assert isinstance(call, ast.Call)
+            # mp.spawn(main, ...) calls main(rank, *args).
+            if tail(call.func) in _SPAWNERS and call.args and isinstance(call.args[0], ast.Name):
+                for fn in by_name.get(call.args[0].id, ()):
+                    if fn.params:
+                        changed |= self._taint_param(fn, fn.params[0])
+            if not isinstance(call.func, ast.Name):
+                continue
+            targets = by_name.get(call.func.id)
+            if not targets:
+                continue
+            for fn in targets:
+                params = fn.params[1:] if fn.is_method else fn.params
+                for param, arg in zip(params, call.args, strict=False):
+                    if self.is_rank_value(arg, site.scope):
+                        changed |= self._taint_param(fn, param)
+                for keyword in call.keywords:
+                    if (
+                        keyword.arg in params
+                        and keyword.arg is not None
+                        and self.is_rank_value(keyword.value, site.scope)
+                    ):
+                        changed |= self._taint_param(fn, keyword.arg)
+        if changed:
+            # `self.device = device` in __init__ now carries the rank too.
+            self._follow_assignments(a for a in index.assignments if a.scope.is_method)
+
+    def _taint_param(self, fn: Scope, param: str) -> bool:
+        names = self._value_names.setdefault(fn, set())
+        if param in names or is_rank_name(param):
+            return False
+        names.add(param)
+        return True
+
+    def _follow_returns(self) -> None:
+        """`def is_main(): return dist.get_rank() == 0` makes `is_main()` a predicate."""
+        for _ in range(2):
+            changed = False
+            for fn in self._index.functions:
+                if fn.name in self._value_functions or fn.name in self._predicate_functions:
+                    continue
+                if any(self.is_rank_value(r, fn) for r in fn.returns):
+                    self._value_functions.add(fn.name)
+                    changed = True
+                elif any(self.is_rank_condition(r, fn) for r in fn.returns):
+                    self._predicate_functions.add(fn.name)
+                    changed = True
+            if not changed:
+                break
+
+    def _has_name(self, table: dict[Scope, set[str]], name: str, scope: Scope) -> bool:
+        # Flow-insensitive: a name tainted in this scope or at module level.
+        local = table.get(scope)
+        if local is not None and name in local:
+            return True
+        module = table.get(self._index.module)
+        return module is not None and name in module
+
+    # -- queries --------------------------------------------------------------------
+
+    def is_rank_value(self, expr: ast.expr, scope: Scope) -> bool:
+        """True when `expr` evaluates to this process's rank (or a number made from it)."""
+        if isinstance(expr, ast.Name):
+            return is_rank_name(expr.id) or self._has_name(self._value_names, expr.id, scope)
+        if isinstance(expr, ast.Attribute):
+            return is_rank_name(expr.attr) or expr.attr in self._value_attrs
+        if isinstance(expr, ast.Call):
+            name = tail(expr.func)
+            if name is None:
+                return False
+            if is_rank_function(name) or name in self._value_functions:
+                return True
+            if name in _WRAPPERS and len(expr.args) == 1:
+                return self.is_rank_value(expr.args[0], scope)
+            if name in ("get", "getenv") and expr.args:
+                return _env_key(expr.args[0]) in RANK_ENV
+            return False
+        if isinstance(expr, ast.Subscript):
+            base = dotted(expr.value)
+            return (
+                base is not None and base.endswith("environ") and _env_key(expr.slice) in RANK_ENV
+            )
+        if isinstance(expr, ast.BinOp):  # rank % gpus_per_node, rank + 1
+            return self.is_rank_value(expr.left, scope) or self.is_rank_value(expr.right, scope)
+        return False
+
+    def is_rank_predicate(self, expr: ast.expr, scope: Scope) -> bool:
+        """True when `expr` is a boolean that says "this is the main process"."""
+        if isinstance(expr, ast.Name):
+            return is_predicate_name(expr.id) or self._has_name(
+                self._predicate_names, expr.id, scope
+            )
+        if isinstance(expr, ast.Attribute):
+            return is_predicate_name(expr.attr) or expr.attr in self._predicate_attrs
+        if isinstance(expr, ast.Call):
+            name = tail(expr.func)
+            return name is not None and (
+                is_predicate_name(name) or name in self._predicate_functions
+            )
+        return False
+
+    def is_rank_condition(self, expr: ast.expr, scope: Scope) -> bool:
+        """True when `expr`, used as a condition, can be true on one rank and false on another."""
+        if not self._settled:
+            return self._condition(expr, scope)
+        key = id(expr)
+        memo = self._condition_memo.get(key)
+        if memo is None:
+            memo = self._condition(expr, scope)
+            self._condition_memo[key] = memo
+        return memo
+
+    def _condition(self, expr: ast.expr, scope: Scope) -> bool:
+        if isinstance(expr, ast.BoolOp):
+            return any(self.is_rank_condition(v, scope) for v in expr.values)
+        if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.Not):
+            return self.is_rank_condition(expr.operand, scope)
+        if isinstance(expr, ast.NamedExpr):
+            return self.is_rank_condition(expr.value, scope)
+        if isinstance(expr, ast.Compare):
+            if all(isinstance(op, (ast.Is, ast.IsNot)) for op in expr.ops):
+                return False
+            operands = [expr.left, *expr.comparators]
+            ranked = [
+                o
+                for o in operands
+                if self.is_rank_value(o, scope) or self.is_rank_predicate(o, scope)
+            ]
+            if not ranked:
+                return False
+            others = [o for o in operands if not any(o is r for r in ranked)]
+            return not (others and all(_is_same_everywhere(o) for o in others))
+        if isinstance(expr, ast.Call) and tail(expr.func) == "bool" and len(expr.args) == 1:
+            return self.is_rank_condition(expr.args[0], scope)
+        return self.is_rank_predicate(expr, scope) or self.is_rank_value(expr, scope)
+
+    def rank_guard(self, guards: tuple[Guard, ...], scope: Scope) -> Guard | None:
+        """The innermost guard that depends on the rank, or None."""
+        for guard in reversed(guards):
+            if self.is_rank_condition(guard.test, scope):
+                return guard
+        return None
+
+    def mentions_rank(self, expr: ast.expr, scope: Scope) -> bool:
+        """True when any part of `expr` is a rank (e.g. a path f"ckpt_{rank}.pt")."""
+        return any(
+            isinstance(node, ast.expr) and self.is_rank_value(node, scope)
+            for node in ast.walk(expr)
+        )

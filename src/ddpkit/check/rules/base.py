@@ -1,0 +1,75 @@
+"""What a rule is, and the small helpers rules share for reading call arguments."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.index import AFTER, OPERAND, ORELSE, Guard, Scope
+from ddpkit.check.model import Severity
+
+# A rule reports the node to point at and its message.
+Hit = tuple[ast.AST, str]
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    severity: Severity
+    summary: str
+    check: Callable[[FileAnalysis], Iterable[Hit]]
+
+
+def argument(call: ast.Call, position: int | None, keyword: str) -> ast.expr | None:
+    """The argument given for parameter `keyword` (or at `position`), else None."""
+    for kw in call.keywords:
+        if kw.arg == keyword:
+            return kw.value
+    if position is not None and position < len(call.args):
+        arg = call.args[position]
+        if not any(isinstance(a, ast.Starred) for a in call.args[: position + 1]):
+            return arg
+    return None
+
+
+def has_unknown_arguments(call: ast.Call) -> bool:
+    """`f(*args)` or `f(**kwargs)`: any parameter may be given, so rules stay silent."""
+    return any(isinstance(a, ast.Starred) for a in call.args) or any(
+        kw.arg is None for kw in call.keywords
+    )
+
+
+def is_constant(expr: ast.expr | None, value: object) -> bool:
+    return isinstance(expr, ast.Constant) and expr.value is value
+
+
+def contains(tree: ast.AST, node: ast.AST) -> bool:
+    return any(n is node for n in ast.walk(tree))
+
+
+def show(node: ast.AST, limit: int = 60) -> str:
+    """Source text of `node` for a message, shortened to one line."""
+    text = " ".join(ast.unparse(node).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_guard(guard: Guard) -> str:
+    """`if rank == 0` (line 12), as people would point at it."""
+    test = show(guard.test)
+    if guard.branch == ORELSE:
+        text = f"the else of `if {test}`"
+    elif guard.branch == AFTER:
+        text = f"the early exit `if {test}: return`"
+    elif guard.branch == OPERAND:
+        text = f"`{test} and ...`"
+    else:
+        text = f"`if {test}`"
+    return f"{text} (line {guard.test.lineno})"
+
+
+def scope_label(scope: Scope) -> str:
+    if scope.class_name and scope.is_method:
+        return f"{scope.class_name}.{scope.name}"
+    return scope.name

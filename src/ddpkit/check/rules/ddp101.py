@@ -1,0 +1,103 @@
+"""DDP101: a shuffling DistributedSampler that is never told the epoch."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from typing import cast
+
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.index import Scope, Site
+from ddpkit.check.model import Severity
+from ddpkit.check.names import tail
+from ddpkit.check.rules.base import Hit, Rule, argument, has_unknown_arguments, is_constant
+
+# Wrappers around the loader in `for batch in enumerate(tqdm(loader))`.
+_ITER_WRAPPERS = frozenset({"enumerate", "tqdm", "iter", "islice", "zip"})
+
+
+def _iterated(iterable: ast.expr) -> ast.expr | None:
+    """What `for x in ...` iterates over, through `enumerate(tqdm(loader))` and the like."""
+    while isinstance(iterable, ast.Call) and tail(iterable.func) in _ITER_WRAPPERS:
+        if not iterable.args:
+            return None
+        iterable = iterable.args[0]
+    return iterable if isinstance(iterable, (ast.Name, ast.Attribute, ast.Subscript)) else None
+
+
+def _across_epochs(fa: FileAnalysis, loop: Site) -> bool:
+    """The loop runs inside another loop, directly or because its function is called in one."""
+    return loop.loop_depth > 0 or loop.scope in fa.functions_in_loops
+
+
+def _assigned_name(fa: FileAnalysis, value: ast.expr, scope: Scope) -> str | None:
+    for a in fa.index.assignments:
+        if a.value is value and a.scope is scope and isinstance(a.target, ast.Name):
+            return a.target.id
+    return None
+
+
+def _loader_of(fa: FileAnalysis, sampler: Site) -> ast.Call | None:
+    """The DataLoader call in the same function that gets this sampler."""
+    name = _assigned_name(fa, sampler.call, sampler.scope)
+    for site in fa.calls("DataLoader"):
+        if site.scope is not sampler.scope:
+            continue
+        given = argument(site.call, 3, "sampler")
+        if given is sampler.call or (
+            name is not None and isinstance(given, ast.Name) and given.id == name
+        ):
+            return site.call
+    return None
+
+
+def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
+    """Follow sampler -> loader -> `for` loops in the same function when they are in sight;
+    when the loader leaves the function (returned, stored on self), any loop over data
+    that runs across epochs counts."""
+    loader = _loader_of(fa, sampler)
+    name = _assigned_name(fa, loader, sampler.scope) if loader is not None else None
+    data_loops = []
+    for loop in fa.index.loops:
+        iterated = _iterated(cast(ast.For, loop.node).iter)
+        if iterated is not None:
+            data_loops.append((loop, iterated))
+    if name is not None:
+        local = [
+            loop
+            for loop, it in data_loops
+            if loop.scope is sampler.scope and isinstance(it, ast.Name) and it.id == name
+        ]
+        if local:
+            return any(_across_epochs(fa, loop) for loop in local)
+    return any(_across_epochs(fa, loop) for loop, _ in data_loops)
+
+
+def check(fa: FileAnalysis) -> Iterator[Hit]:
+    samplers = fa.calls("DistributedSampler")
+    if not samplers or fa.mentions("set_epoch"):
+        return
+    for site in samplers:
+        call = site.call
+        if has_unknown_arguments(call):
+            continue
+        # DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)
+        shuffle = argument(call, 3, "shuffle")
+        if shuffle is not None and not is_constant(shuffle, True):
+            continue  # shuffle=False needs no epoch; a variable we cannot judge
+        if not _iterated_across_epochs(fa, site):
+            continue
+        yield (
+            call,
+            "DistributedSampler shuffles with the same seed every epoch because `set_epoch` "
+            "is never called: call `sampler.set_epoch(epoch)` (or "
+            "`loader.sampler.set_epoch(epoch)`) at the start of each epoch",
+        )
+
+
+RULE = Rule(
+    "DDP101",
+    Severity.WARNING,
+    "DistributedSampler iterated across epochs without set_epoch",
+    check,
+)

@@ -1,0 +1,85 @@
+"""DDP103: a checkpoint written by every rank instead of by rank 0 only."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.index import Site
+from ddpkit.check.model import Severity
+from ddpkit.check.names import tail
+from ddpkit.check.rules.base import Hit, Rule, argument, show
+
+# (module, names, position of the file argument)
+_WRITERS = (
+    ("torch", frozenset({"save"}), 1, "f"),
+    ("torch.jit", frozenset({"save"}), 1, "f"),
+    ("safetensors.torch", frozenset({"save_file", "save_model"}), 1, "filename"),
+)
+
+
+def checkpoint_writes(fa: FileAnalysis) -> Iterator[tuple[Site, ast.expr | None]]:
+    """Calls that write a checkpoint, with the file (or buffer) they write to."""
+    for module, names, position, keyword in _WRITERS:
+        for site, _ in fa.resolved_calls(module, names):
+            yield site, argument(site.call, position, keyword)
+
+
+def _in_memory(target: ast.expr, site: Site, fa: FileAnalysis) -> bool:
+    """`torch.save(obj, buffer)` with `buffer = io.BytesIO()` writes no file."""
+    if isinstance(target, ast.Call):
+        return tail(target.func) == "BytesIO"
+    if isinstance(target, ast.Name):
+        for a in fa.index.assignments:
+            if (
+                a.scope is site.scope
+                and isinstance(a.target, ast.Name)
+                and a.target.id == target.id
+                and isinstance(a.value, ast.Call)
+                and tail(a.value.func) == "BytesIO"
+            ):
+                return True
+    return False
+
+
+def _per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
+    """The path names the rank, directly or through `path = f"out_{rank}.pt"` nearby."""
+    if fa.ranks.mentions_rank(target, site.scope):
+        return True
+    if not isinstance(target, ast.Name):
+        return False
+    return any(
+        isinstance(a.target, ast.Name)
+        and a.target.id == target.id
+        and a.scope in (site.scope, fa.index.module)
+        and fa.ranks.mentions_rank(a.value, a.scope)
+        for a in fa.index.assignments
+    )
+
+
+def check(fa: FileAnalysis) -> Iterator[Hit]:
+    if not fa.process_group_inits:
+        return
+    for site, target in checkpoint_writes(fa):
+        if target is None or not fa.runs_on_every_rank(site) or fa.in_launcher(site):
+            continue
+        if _per_rank_path(fa, target, site):
+            continue  # one file per rank (f"ckpt_rank{rank}.pt") is fine
+        if _in_memory(target, site, fa):
+            continue
+        call = site.call
+        yield (
+            call,
+            f"`{show(call.func)}` runs on every rank, so all processes write "
+            f"`{show(target, 40)}` at once (a torn or clobbered file); write it from rank 0 "
+            "only: `if rank == 0:` (then `dist.barrier()` on every rank if others read it)",
+        )
+
+
+RULE = Rule(
+    "DDP103",
+    Severity.ERROR,
+    "checkpoint written on every rank, not under a rank-0 guard",
+    check,
+)

@@ -1,0 +1,156 @@
+"""DDP104: saving `ddp_model.state_dict()` (keys `module.*`) instead of the inner model's."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.index import Assignment, Scope, Site
+from ddpkit.check.model import Severity
+from ddpkit.check.rules.base import Hit, Rule, argument, contains, show
+from ddpkit.check.rules.ddp103 import checkpoint_writes
+
+# Code that strips the prefix itself, after which saving the wrapper's dict is fine.
+_PREFIX_FIXERS = ("consume_prefix_in_state_dict_if_present",)
+
+# (position, is a DDP wrap, scope) of each assignment to one name or `self.attr`.
+_Timeline = list[tuple[tuple[int, int], bool, Scope]]
+# A wrapped name: (scope, "model"); a wrapped attribute: (None, "Trainer.model").
+_Key = tuple[Scope | None, str]
+
+
+def _position(node: ast.AST) -> tuple[int, int]:
+    return (getattr(node, "lineno", 0), getattr(node, "col_offset", 0))
+
+
+def _key(target: ast.expr, scope: Scope) -> _Key | None:
+    """`model` in a scope, or `self.model` in a class."""
+    if isinstance(target, ast.Name):
+        return (scope, target.id)
+    if (
+        isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+        and scope.class_name
+    ):
+        return (None, f"{scope.class_name}.{target.attr}")
+    return None
+
+
+def _timelines(fa: FileAnalysis) -> dict[_Key, _Timeline]:
+    """Assignment histories of the names and attributes that are ever a DDP wrapper."""
+    wrapped = {
+        key
+        for a in fa.index.assignments
+        if fa.is_ddp_wrap(a.value) and (key := _key(a.target, a.scope)) is not None
+    }
+    timelines: dict[_Key, _Timeline] = {}
+    if not wrapped:
+        return timelines
+    for a in fa.index.assignments:
+        key = _key(a.target, a.scope)
+        if key in wrapped:
+            entry = (_position(a.value), fa.is_ddp_wrap(a.value), a.scope)
+            timelines.setdefault(key, []).append(entry)
+    return timelines
+
+
+def _wrapped_at(timeline: _Timeline | None, site: Site, same_scope_only: bool) -> bool:
+    """Was the last assignment before `site` (in its scope, else overall) a DDP wrap?"""
+    if not timeline:
+        return False
+    where = _position(site.node)
+    before = [e for e in timeline if e[2] is site.scope and e[0] < where]
+    if before:
+        return max(before, key=lambda e: e[0])[1]
+    if same_scope_only:
+        return False
+    return max(timeline, key=lambda e: e[0])[1]
+
+
+def _is_wrapped_receiver(
+    receiver: ast.expr, site: Site, timelines: dict[_Key, _Timeline], module: Scope
+) -> bool:
+    key = _key(receiver, site.scope)
+    if key is None:
+        return False
+    if key[0] is None:  # self.attr: assigned in __init__, used in other methods
+        return _wrapped_at(timelines.get(key), site, same_scope_only=False)
+    local = timelines.get(key)
+    if local:
+        return _wrapped_at(local, site, same_scope_only=True)
+    assert isinstance(receiver, ast.Name)
+    return _wrapped_at(timelines.get((module, receiver.id)), site, same_scope_only=False)
+
+
+def _strips_prefix(tree: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Constant) and isinstance(n.value, str) and "module" in n.value
+        for n in ast.walk(tree)
+    )
+
+
+def _is_saved(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> bool:
+    """The state dict reaches a checkpoint write in the same function."""
+    carriers: set[str] = set()
+    scope_assignments: list[Assignment] = [a for a in fa.index.assignments if a.scope is site.scope]
+    for a in scope_assignments:
+        carries = contains(a.value, state_dict) or any(
+            isinstance(n, ast.Name) and n.id in carriers for n in ast.walk(a.value)
+        )
+        if not carries:
+            continue
+        if _strips_prefix(a.value):
+            return False
+        target = a.target
+        while isinstance(target, (ast.Subscript, ast.Attribute)):
+            target = target.value  # ckpt["model"] = ... carries into ckpt
+        if isinstance(target, ast.Name):
+            carriers.add(target.id)
+    for write, _ in checkpoint_writes(fa):
+        if write.scope is not site.scope:
+            continue
+        obj = argument(write.call, 0, "obj")
+        if obj is None:
+            continue
+        if contains(obj, state_dict) or any(
+            isinstance(n, ast.Name) and n.id in carriers for n in ast.walk(obj)
+        ):
+            return not _strips_prefix(obj)
+    return False
+
+
+def check(fa: FileAnalysis) -> Iterator[Hit]:
+    if not fa.ddp_wraps or any(fa.mentions(name) for name in _PREFIX_FIXERS):
+        return
+    candidates = fa.calls("state_dict")
+    if not candidates:
+        return
+    timelines = _timelines(fa)
+    if not timelines:
+        return
+    for site in candidates:
+        call = site.call
+        if not isinstance(call.func, ast.Attribute) or call.args or call.keywords:
+            continue
+        receiver = call.func.value
+        if not _is_wrapped_receiver(receiver, site, timelines, fa.index.module):
+            continue
+        if not _is_saved(fa, call, site):
+            continue
+        model = show(receiver)
+        yield (
+            call,
+            f"`{model}.state_dict()` is taken from the DDP wrapper, so every key starts with "
+            f"`module.` and the checkpoint will not load into a plain model; save "
+            f"`{model}.module.state_dict()` instead",
+        )
+
+
+RULE = Rule(
+    "DDP104",
+    Severity.WARNING,
+    "state_dict() saved from the DDP wrapper instead of model.module",
+    check,
+)
