@@ -199,3 +199,37 @@ def test_under_torchrun_env_it_runs_in_place(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["0", "1", "gloo"]
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """Local addresses on which any of `pids` listens (from /proc, no tools needed)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        for fd in fd_dir.iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
+                found.append(cols[1])
+    return found
+
+
+def _listeners(ctx: DistContext, parent: int) -> list[str]:
+    pids: list[object] = [None] * ctx.world_size
+    dist.all_gather_object(pids, os.getpid())
+    return _listening([parent, *pids]) if ctx.is_main else []  # type: ignore[list-item]
+
+
+def test_every_server_of_a_job_listens_on_loopback_only() -> None:
+    addresses = launch(_listeners, os.getpid(), nprocs=2)
+    assert addresses, "expected the store and gloo to listen somewhere"
+    # 0100007F is 127.0.0.1 in /proc's byte order; "*" would be 00000000 / ::.
+    assert all(a.split(":")[0] == "0100007F" for a in addresses), addresses

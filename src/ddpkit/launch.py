@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -185,9 +186,7 @@ def _spawn(
     store: Any = None
     tmpdir: str | None = None
     if init == "tcp":
-        # The parent owns the store for the whole job: port 0 lets the OS pick a free
-        # port and holding it open means a second job can never get the same one.
-        store = TCPStore(_LOOPBACK, 0, n, is_master=True, wait_for_workers=False)
+        store = loopback_store(n)
     else:
         tmpdir = tempfile.mkdtemp(prefix="ddpkit-init-")
     level = logging.getLogger("ddpkit").getEffectiveLevel()
@@ -311,6 +310,40 @@ def _stop(procs: Any) -> None:
         p.join()
 
 
+def loopback_store(world_size: int) -> Any:
+    """A TCP store served on 127.0.0.1 at a port the OS picks, owned by the caller.
+
+    Holding the port for the whole job means a second job can never get the same one.
+    TCPStore listens on every interface when it opens its own socket, so it is handed a
+    socket already bound to loopback: nothing of the job is reachable from the network.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((_LOOPBACK, 0))
+        sock.listen(1024)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store closes the socket when it is destroyed
+    try:
+        return TCPStore(
+            _LOOPBACK, port, world_size, is_master=True, wait_for_workers=False, master_listen_fd=fd
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface (Linux: lo), if there is one."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker if the parent dies, so no orphan outlives it."""
     if sys.platform != "linux":
@@ -348,6 +381,11 @@ def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Co
         MASTER_ADDR=_LOOPBACK,
         MASTER_PORT=str(spec.store_port or 0),
     )
+    lo = _loopback_interface()
+    if lo and spec.backend == "gloo":
+        # gloo listens on the address the host name resolves to; on one machine the
+        # loopback interface is enough and keeps the ranks off the network.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(world))
     initialised = False
