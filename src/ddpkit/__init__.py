@@ -31,6 +31,7 @@ _EXPORTS = {
     "model_digest": "ddpkit.checkpoint",
     "seed_everything": "ddpkit.seed",
     "SyncBatchNorm": "ddpkit.syncbn",
+    "convert_sync_batchnorm": "ddpkit.syncbn",
     "Trainer": "ddpkit.trainer",
     "TrainConfig": "ddpkit.trainer",
     "FitResult": "ddpkit.trainer",
@@ -49,6 +50,7 @@ __all__ = [
     "Trainer",
     "WorkerError",
     "__version__",
+    "convert_sync_batchnorm",
     "latest_checkpoint",
     "launch",
     "load_checkpoint",
@@ -73,7 +75,7 @@ if TYPE_CHECKING:
     from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums
     from ddpkit.model import prepare_model, unwrap
     from ddpkit.seed import seed_everything
-    from ddpkit.syncbn import SyncBatchNorm
+    from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
     from ddpkit.trainer import FitResult, TrainConfig, Trainer
 
 

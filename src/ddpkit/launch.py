@@ -8,6 +8,7 @@ every worker within seconds when one fails. Under torchrun it spawns nothing and
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,10 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
     try:
         return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
     finally:
+        # The script goes on after us, so we cannot skip its shutdown as spawned
+        # workers do (see _exit_now); a short pause lets gloo's threads release their
+        # last work first, which avoids the rare abort at exit.
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 
@@ -228,12 +233,29 @@ def _spawn(
         del store
 
 
+# Words of errors a rank raises because a peer died, not because it failed itself.
+_PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")
+# After the first failure, how long to keep listening so that the true cause (say a
+# rank killed by a signal, seen only when it is reaped) can arrive before we blame one.
+_SETTLE_S = 1.0
+
+
+def _blame_key(failure: tuple[float, WorkerError]) -> tuple[int, float]:
+    """Sort key: the failure most likely to be the cause comes first."""
+    when, err = failure
+    if err.exitcode is not None and err.exitcode < 0:
+        return (0, 0.0)  # killed by a signal (OOM killer, kill -9): nothing else causes it
+    secondary = any(word in Exception.__str__(err) for word in _PEER_LOST)
+    return (2 if secondary else 1, when)
+
+
 def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> Any:
-    """Wait for every worker; on the first failure return at once by raising."""
+    """Wait for every worker; soon after the first failure, raise the likely cause."""
     results: dict[int, Any] = {}
     failures: list[tuple[float, WorkerError]] = []
     running = dict(procs)
     open_conns = dict(conns)
+    settle_until: float | None = None
 
     def drain(rank: int) -> None:
         conn = open_conns.get(rank)
@@ -247,22 +269,16 @@ def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> A
                 results[rank] = msg[1]
             else:
                 _, when, exc_type, text, tb = msg
-                failures.append(
-                    (
-                        when,
-                        WorkerError(
-                            rank,
-                            f"rank {rank} raised {exc_type}: {text}",
-                            exc_type=exc_type,
-                            traceback=tb,
-                        ),
-                    )
-                )
+                message = f"rank {rank} raised {exc_type}: {text}"
+                failures.append((when, WorkerError(rank, message, exc_type=exc_type, traceback=tb)))
 
     while running:
+        now = time.monotonic()
+        if settle_until is not None and now >= settle_until:
+            break
         handles: list[Any] = [p.sentinel for p in running.values()]
         handles += list(open_conns.values())
-        wait(handles, timeout=1.0)
+        wait(handles, timeout=1.0 if settle_until is None else settle_until - now)
         for rank in list(open_conns):
             drain(rank)
         for rank, proc in list(running.items()):
@@ -271,16 +287,16 @@ def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> A
             drain(rank)  # a message sent just before exit is still in the pipe
             del running[rank]
             code = proc.exitcode
-            if code != 0 and not any(f.rank == rank for _, f in failures):
-                failures.append(
-                    (time.time(), WorkerError(rank, _describe_exit(rank, code), exitcode=code))
-                )
-        if failures:
-            # The rank that failed first is the cause; later ones usually fail because
-            # their peer went away ("connection closed by peer").
-            first = min(failures, key=lambda f: f[0])[1]
-            first.exitcode = procs[first.rank].exitcode
-            raise first
+            reported = [f for _, f in failures if f.rank == rank]
+            for err in reported:
+                err.exitcode = code
+            if code != 0 and not reported:
+                err = WorkerError(rank, _describe_exit(rank, code), exitcode=code)
+                failures.append((time.time(), err))
+        if failures and settle_until is None:
+            settle_until = time.monotonic() + _SETTLE_S
+    if failures:
+        raise min(failures, key=_blame_key)[1]
     if 0 not in results:
         raise WorkerError(0, "rank 0 exited without returning a result", exitcode=0)
     return results[0]
@@ -389,6 +405,7 @@ def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Co
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(world))
     initialised = False
+    code = 0
     try:
         device = _device_for(spec.backend, rank)
         if spec.store_port is not None:
@@ -413,17 +430,34 @@ def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Co
         result = fn(DistContext(rank, rank, world, world, device, spec.backend), *args)
         conn.send(("ok", result if rank == 0 else None))
     except SystemExit as exc:
-        if exc.code not in (0, None):
+        if exc.code in (0, None):
+            conn.send(("ok", None))
+        else:
             _report(conn, exc)
-            raise
-        conn.send(("ok", None))
+            code = exc.code if isinstance(exc.code, int) else 1
     except BaseException as exc:
         _report(conn, exc)
-        raise SystemExit(1) from None
+        code = 1
     finally:
         if initialised:
             dist.destroy_process_group()
         conn.close()
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's shutdown, after atexit hooks and flushing output.
+
+    gloo's background threads may still be releasing finished work when Python
+    finalizes; if one needs the GIL then, the process aborts ("terminate called without
+    an active exception") although the job succeeded. Skipping finalization avoids it.
+    """
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def _report(conn: Connection, exc: BaseException) -> None:

@@ -52,6 +52,8 @@ def prepare_model(
     kwargs: dict[str, object] = {}
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
+    if not broadcast_buffers:  # only when asked: newer torch warns that it is deprecated
+        kwargs["broadcast_buffers"] = False
     return DDP(
         model,
         device_ids=[ctx.device] if on_gpu else None,
@@ -59,7 +61,6 @@ def prepare_model(
         find_unused_parameters=find_unused_parameters,
         static_graph=static_graph,
         gradient_as_bucket_view=gradient_as_bucket_view,
-        broadcast_buffers=broadcast_buffers,
         **kwargs,  # type: ignore[arg-type]
     )
 

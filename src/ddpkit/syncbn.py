@@ -203,11 +203,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
             mean_c = global_mean.to(cdtype)
             invstd_c = torch.rsqrt(global_var + eps).to(cdtype)
-            out = (xc - _channel_view(mean_c, x.dim())) * _channel_view(invstd_c, x.dim())
-            if weight is not None:
-                out = out * _channel_view(weight.to(cdtype), x.dim())
-            if bias is not None:
-                out = out + _channel_view(bias.to(cdtype), x.dim())
+            scale = invstd_c if weight is None else invstd_c * weight.to(cdtype)
+            # (x - mean) * scale + bias: folding it into x * scale + (bias - mean * scale)
+            # would cancel digits when |mean| is large against the spread.
+            centred = xc - _channel_view(mean_c, x.dim())
+            if bias is None:
+                out = centred * _channel_view(scale, x.dim())
+            else:
+                out = torch.addcmul(
+                    _channel_view(bias.to(cdtype), x.dim()), centred, _channel_view(scale, x.dim())
+                )
 
         ctx.save_for_backward(x, weight, mean_c, invstd_c)
         ctx.group = group
@@ -242,8 +247,10 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 mean_g = _channel_view(packed[:channels] / total, x.dim())
                 mean_gx = _channel_view(packed[channels:] / total, x.dim())
                 scale = invstd if weight is None else invstd * weight.to(cdtype)
-                grad_input = (_channel_view(scale, x.dim()) * (g - mean_g - x_hat * mean_gx)).to(
-                    x.dtype
+                grad_input = (
+                    torch.addcmul(g - mean_g, x_hat, mean_gx, value=-1.0)
+                    .mul_(_channel_view(scale, x.dim()))
+                    .to(x.dtype)
                 )
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
