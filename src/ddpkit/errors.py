@@ -38,3 +38,15 @@ class WorkerError(DdpkitError):
         if self.traceback:
             text += f"\n\n--- traceback of rank {self.rank} ---\n{self.traceback.rstrip()}"
         return text
+
+
+class HangError(DdpkitError):
+    """No rank of a job made progress for the hang timeout; the job was stopped."""
+
+    def __init__(self, summary: str, stacks: str) -> None:
+        self.summary = summary
+        self.stacks = stacks
+        super().__init__(summary)
+
+    def __str__(self) -> str:
+        return f"{self.summary}\n\n{self.stacks}" if self.stacks else self.summary

@@ -25,13 +25,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
-from ddpkit.errors import ConfigError, WorkerError
+from ddpkit.diagnose import blame_key, find_hang
+from ddpkit.errors import ConfigError, HangError, WorkerError
+from ddpkit.watchdog import Watchdog
 
 log = logging.getLogger("ddpkit")
 
@@ -101,11 +104,11 @@ def threads_per_rank(local_world_size: int) -> int:
 class _Spec:
     """What a spawned worker needs to join the job."""
 
-    local_rank: int
     world_size: int
     backend: str
     store_port: int | None  # TCP store owned by the parent
     init_file: str | None  # or a shared file
+    status_dir: str | None  # where ranks report progress, for hang diagnosis
     timeout_s: float
     log_level: int
 
@@ -117,16 +120,21 @@ def launch(
     backend: Backend = "auto",
     init: Init = "tcp",
     timeout: float = 1800.0,
+    hang_timeout: float = 300.0,
 ) -> T:
     """Run `fn(ctx, *args)` on `nprocs` processes and return rank 0's result.
 
     `fn` must be a module-level function (workers are spawned, which pickles it).
     `timeout` bounds every collective in seconds (torch's default is 30 minutes).
     If any rank raises, the others are stopped and `WorkerError` names the rank and
-    carries its traceback. Under torchrun, `fn` runs in place in this process.
+    carries its traceback. If no rank makes progress for `hang_timeout` seconds (0: never
+    check), the job is stopped and `HangError` says where each rank is stuck, with
+    every rank's Python stack. Under torchrun, `fn` runs in place in this process.
     """
     if init not in ("tcp", "file"):
         raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
+    if not hang_timeout >= 0:
+        raise ConfigError(f"hang_timeout must be >= 0 seconds (got {hang_timeout}); 0 turns it off")
     if dist.is_available() and dist.is_initialized():
         # The caller set up the group itself (or we are nested): just run.
         return fn(DistContext.current(), *args)
@@ -136,7 +144,7 @@ def launch(
     n = resolve_nprocs(nprocs, backend_)
     if n == 1:
         return _run_single(fn, args, backend_, timeout)
-    return _spawn(fn, args, n, backend_, init, timeout)
+    return _spawn(fn, args, n, backend_, init, timeout, hang_timeout)
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -185,32 +193,36 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
 
 
 def _spawn(
-    fn: Callable[..., T], args: tuple[Any, ...], n: int, backend: str, init: str, timeout_s: float
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    n: int,
+    backend: str,
+    init: str,
+    timeout_s: float,
+    hang_timeout: float,
 ) -> T:
     mp = multiprocessing.get_context("spawn")
-    store: Any = None
-    tmpdir: str | None = None
-    if init == "tcp":
-        store = loopback_store(n)
-    else:
-        tmpdir = tempfile.mkdtemp(prefix="ddpkit-init-")
-    level = logging.getLogger("ddpkit").getEffectiveLevel()
+    store: Any = loopback_store(n) if init == "tcp" else None
+    tmpdir = Path(tempfile.mkdtemp(prefix="ddpkit-job-"))
+    status = tmpdir / "status" if hang_timeout > 0 else None
+    if status:
+        status.mkdir()
+    spec = _Spec(
+        world_size=n,
+        backend=backend,
+        store_port=store.port if store else None,
+        init_file=None if store else str(tmpdir / "rendezvous"),
+        status_dir=str(status) if status else None,
+        timeout_s=timeout_s,
+        log_level=logging.getLogger("ddpkit").getEffectiveLevel(),
+    )
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
     try:
         for rank in range(n):
-            spec = _Spec(
-                rank,
-                n,
-                backend,
-                store.port if store else None,
-                os.path.join(tmpdir, "rendezvous") if tmpdir else None,
-                timeout_s,
-                level,
-            )
             recv, send = mp.Pipe(duplex=False)
             proc = mp.Process(
-                target=_worker, args=(spec, fn, args, send), name=f"ddpkit-rank{rank}"
+                target=_worker, args=(rank, spec, fn, args, send), name=f"ddpkit-rank{rank}"
             )
             try:
                 proc.start()
@@ -223,34 +235,33 @@ def _spawn(
             finally:
                 send.close()
             procs[rank], conns[rank] = proc, recv
-        return cast(T, _supervise(procs, conns))
+        return cast(T, _supervise(procs, conns, status, hang_timeout))
     finally:
         _stop(procs.values())
         for conn in conns.values():
             conn.close()
-        if tmpdir:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        shutil.rmtree(tmpdir, ignore_errors=True)
         del store
 
 
-# Words of errors a rank raises because a peer died, not because it failed itself.
-_PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")
 # After the first failure, how long to keep listening so that the true cause (say a
 # rank killed by a signal, seen only when it is reaped) can arrive before we blame one.
 _SETTLE_S = 1.0
 
 
 def _blame_key(failure: tuple[float, WorkerError]) -> tuple[int, float]:
-    """Sort key: the failure most likely to be the cause comes first."""
     when, err = failure
-    if err.exitcode is not None and err.exitcode < 0:
-        return (0, 0.0)  # killed by a signal (OOM killer, kill -9): nothing else causes it
-    secondary = any(word in Exception.__str__(err) for word in _PEER_LOST)
-    return (2 if secondary else 1, when)
+    return blame_key(err.exitcode, Exception.__str__(err), when)
 
 
-def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> Any:
-    """Wait for every worker; soon after the first failure, raise the likely cause."""
+def _supervise(
+    procs: dict[int, BaseProcess],
+    conns: dict[int, Connection],
+    status: Path | None,
+    hang_timeout: float,
+) -> Any:
+    """Wait for every worker; soon after the first failure, raise the likely cause;
+    raise HangError when no rank has made progress for `hang_timeout` seconds."""
     results: dict[int, Any] = {}
     failures: list[tuple[float, WorkerError]] = []
     running = dict(procs)
@@ -295,6 +306,10 @@ def _supervise(procs: dict[int, BaseProcess], conns: dict[int, Connection]) -> A
                 failures.append((time.time(), err))
         if failures and settle_until is None:
             settle_until = time.monotonic() + _SETTLE_S
+        if status is not None and not failures and len(running) == len(procs):
+            hang = find_hang(status, hang_timeout, len(procs))
+            if hang is not None:
+                raise HangError(hang.summary(len(procs)), hang.stacks())
     if failures:
         raise min(failures, key=_blame_key)[1]
     if 0 not in results:
@@ -380,15 +395,19 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _worker(spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection) -> None:
+def _worker(
+    rank: int, spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
+) -> None:
     _die_with_parent()
     # Ctrl-C reaches every process of the terminal; the parent alone handles it and
     # stops the workers, so they don't each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=spec.log_level, format=f"[rank {spec.local_rank}] %(message)s")
-    rank, world = spec.local_rank, spec.world_size
+        logging.basicConfig(level=spec.log_level, format=f"[rank {rank}] %(message)s")
+    world = spec.world_size
+    if spec.status_dir:
+        Watchdog(Path(spec.status_dir), rank).start()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
