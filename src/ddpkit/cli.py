@@ -17,7 +17,7 @@ from ddpkit.errors import DdpkitError, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddpkit import train_command
+    from ddpkit import run_command, train_command
     from ddpkit.check.command import add_parser as add_check_parser
 
     parser = argparse.ArgumentParser(
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train_command.add_parser(sub)
+    run_command.add_parser(sub)
     add_check_parser(sub)
     return parser
 

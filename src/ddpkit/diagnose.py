@@ -4,6 +4,7 @@ whether the job is hung, and say which rank failed or where each one is stuck.""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,13 +17,17 @@ HANG_EXIT = 124
 _PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")
 
 
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def blame_key(exitcode: int | None, message: str, when: float) -> tuple[int, float]:
     """Sort key over failures: the one most likely to be the cause comes first.
 
-    A rank killed by a signal (the OOM killer, kill -9) is a cause: nothing else does
-    that. An error that says a peer went away is a consequence. Otherwise, earliest.
+    A rank killed by a signal such as SIGKILL (the OOM killer) or SIGSEGV is a cause;
+    SIGTERM and SIGINT are how supervisors stop the other ranks, so they are not. An
+    error that says a peer went away is a consequence. Otherwise, the earliest wins.
     """
-    if exitcode is not None and exitcode < 0:
+    if exitcode is not None and exitcode < 0 and -exitcode not in _STOP_SIGNALS:
         return (0, 0.0)
     return (2 if any(word in message for word in _PEER_LOST) else 1, when)
 

@@ -202,7 +202,7 @@ def _spawn(
     hang_timeout: float,
 ) -> T:
     mp = multiprocessing.get_context("spawn")
-    store: Any = loopback_store(n) if init == "tcp" else None
+    store: Any = serve_store(world_size=n) if init == "tcp" else None
     tmpdir = Path(tempfile.mkdtemp(prefix="ddpkit-job-"))
     status = tmpdir / "status" if hang_timeout > 0 else None
     if status:
@@ -341,16 +341,21 @@ def _stop(procs: Any) -> None:
         p.join()
 
 
-def loopback_store(world_size: int) -> Any:
-    """A TCP store served on 127.0.0.1 at a port the OS picks, owned by the caller.
+def serve_store(
+    host: str = _LOOPBACK, port: int = 0, world_size: int | None = None, **kwargs: Any
+) -> Any:
+    """A TCP store served on `host` only (default 127.0.0.1, at a port the OS picks).
 
-    Holding the port for the whole job means a second job can never get the same one.
-    TCPStore listens on every interface when it opens its own socket, so it is handed a
-    socket already bound to loopback: nothing of the job is reachable from the network.
+    TCPStore listens on every interface when it opens its own socket, so it is handed
+    a socket already bound to `host`: a single-machine job is not reachable from the
+    network. Holding the port for the whole job also means a second job can never get
+    the same one.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock.bind((_LOOPBACK, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
         sock.listen(1024)
         port = sock.getsockname()[1]
     except OSError:
@@ -359,7 +364,13 @@ def loopback_store(world_size: int) -> Any:
     fd = sock.detach()  # the store closes the socket when it is destroyed
     try:
         return TCPStore(
-            _LOOPBACK, port, world_size, is_master=True, wait_for_workers=False, master_listen_fd=fd
+            host,
+            port,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            **kwargs,
         )
     except BaseException:
         os.close(fd)
@@ -375,7 +386,7 @@ def _loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask Linux to SIGKILL this worker if the parent dies, so no orphan outlives it."""
     if sys.platform != "linux":
         return
@@ -398,7 +409,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _worker(
     rank: int, spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 ) -> None:
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches every process of the terminal; the parent alone handles it and
     # stops the workers, so they don't each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -461,10 +472,10 @@ def _worker(
         if initialised:
             dist.destroy_process_group()
         conn.close()
-    _exit_now(code)
+    exit_now(code)
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
     """Exit without the interpreter's shutdown, after atexit hooks and flushing output.
 
     gloo's background threads may still be releasing finished work when Python

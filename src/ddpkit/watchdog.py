@@ -33,7 +33,7 @@ COLLECTIVES = (
 
 _OWN_FILES = (__file__, "torch/distributed/", "multiprocessing/", "threading.py", "runpy.py")
 # Frames of the machinery that starts a worker: left out of the stacks we show.
-_PLUMBING = (__file__, "multiprocessing/", "runpy.py", "<string>", "ddpkit/launch.py",
+_PLUMBING = (__file__, "multiprocessing/", "runpy", "<string>", "ddpkit/launch.py",
              "ddpkit/_shim.py")  # fmt: skip
 
 
@@ -148,6 +148,15 @@ def _format_stack(frame: FrameType | None) -> list[str]:
     return traceback.format_list(kept)
 
 
+def _format_exception(exc: BaseException) -> str:
+    """Like traceback.format_exception, without the frames of ddpkit's machinery."""
+    te = traceback.TracebackException.from_exception(exc)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in te.stack if not any(p in f.filename for p in _PLUMBING)]
+    )
+    return "".join(te.format())
+
+
 def record_error(folder: Path, rank: int, exc: BaseException) -> None:
     """Leave this rank's exception for the supervisor's crash report."""
     with contextlib.suppress(OSError):
@@ -156,5 +165,5 @@ def record_error(folder: Path, rank: int, exc: BaseException) -> None:
             "time": time.time(),
             "exc_type": type(exc).__name__,
             "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
+            "traceback": _format_exception(exc),
         })  # fmt: skip

@@ -1,0 +1,67 @@
+"""What each worker of `ddpkit run` executes: `python -m ddpkit._shim (SCRIPT | -m MODULE) ARGS`.
+
+torchrun's agent starts it once per rank. It prepares the diagnosis (a watchdog that
+reports progress, a record of the exception if the script raises), then runs the
+user's script or module as `__main__`, exactly as `python SCRIPT` would.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+
+def _status_folder() -> Path | None:
+    root = os.environ.get("DDPKIT_STATUS_DIR")
+    if not root:
+        return None
+    # Each restart of the job by the elastic agent reports into a folder of its own.
+    folder = Path(root) / f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def main() -> None:
+    from ddpkit.launch import die_with_parent, exit_now
+    from ddpkit.watchdog import Watchdog, record_error
+
+    die_with_parent()  # never outlive the agent, even if it is killed with SIGKILL
+    args = sys.argv[1:]
+    as_module = bool(args) and args[0] == "-m"
+    if as_module:
+        args = args[1:]
+    target, rest = args[0], args[1:]
+    rank = int(os.environ.get("RANK", "0"))
+    folder = _status_folder()
+    if folder is not None and float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
+        Watchdog(folder, rank).start()
+    sys.argv = [target, *rest]
+    code = 0
+    try:
+        if as_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = str(Path(target).resolve().parent)  # as `python SCRIPT` sets it
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            if isinstance(exc.code, str):
+                print(exc.code, file=sys.stderr)
+            code = exc.code if isinstance(exc.code, int) else 1
+            if folder is not None:
+                record_error(folder, rank, exc)
+    except BaseException as exc:
+        traceback.print_exc()
+        code = 1
+        if folder is not None:
+            record_error(folder, rank, exc)
+    # Like a spawned worker of `launch`: no interpreter shutdown, which gloo's threads
+    # can turn into an abort (SIGABRT) even after a clean run.
+    exit_now(code)
+
+
+if __name__ == "__main__":
+    main()

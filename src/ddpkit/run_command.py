@@ -1,0 +1,296 @@
+"""`ddpkit run`: start any training script on every GPU or CPU core through torchrun's
+elastic agent, and say which rank failed, or where every rank hangs, when it goes wrong.
+
+The agent runs in this process (`torch.distributed.run`), so its restarts, signal
+handling and multi-node rendezvous are torchrun's own. ddpkit adds: a rendezvous served
+on loopback at a free port for one machine, a fair thread count per worker, a shim in
+each worker that reports progress and exceptions, and the reports read back here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import ConfigError
+
+HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
+DEFAULT_HANG_TIMEOUT = 300.0
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "run", help=HELP, description=HELP,
+        usage="ddpkit run [options] (SCRIPT | -m MODULE) [ARGS ...]",
+    )  # fmt: skip
+    p.add_argument(
+        "--nproc",
+        default="auto",
+        help="processes on this machine: auto = one per GPU, else one per CPU core",
+    )
+    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    p.add_argument("--master-addr", help="address of node 0 (needed with --nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all workers up to K times after a failure (default 0)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT,
+        help="stop the job and show every rank's stack when no rank has made "
+        f"progress for this many seconds (default {DEFAULT_HANG_TIMEOUT:.0f}; 0: off)",
+    )
+    p.add_argument(
+        "--rdzv-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the other nodes (default 300)",
+    )
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=run)  # fmt: skip
+
+
+def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
+    """The worker command (after the shim) and the processes per node, or ConfigError."""
+    from ddpkit.launch import resolve_backend, resolve_nprocs
+
+    nproc = resolve_nprocs(args.nproc, resolve_backend("auto"))
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1 (got {args.nnodes})")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(
+            f"--node-rank must be in [0, {args.nnodes}) for --nnodes {args.nnodes} "
+            f"(got {args.node_rank}): number the machines 0 to {args.nnodes - 1}"
+        )
+    if args.nnodes > 1 and not args.master_addr:
+        raise ConfigError("--nnodes > 1 needs --master-addr: the address of node 0")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
+    if args.hang_timeout < 0:
+        raise ConfigError(f"--hang-timeout must be >= 0 seconds (got {args.hang_timeout})")
+    if args.module:
+        import importlib.util
+
+        # A script given after -m MODULE is the module's first argument.
+        extra = [args.script, *args.args] if args.script else list(args.args)
+        try:
+            found = importlib.util.find_spec(args.module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ConfigError(f"no module named {args.module!r}: check the name and sys.path")
+        return ["-m", args.module, *extra], nproc
+    if not args.script:
+        raise ConfigError("nothing to run: pass a script (ddpkit run train.py) or -m MODULE")
+    if not Path(args.script).is_file():
+        raise ConfigError(f"script {args.script!r} does not exist")
+    return [args.script, *args.args], nproc
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_for_master(host: str, port: int, timeout_s: float) -> None:
+    """A bounded wait until node 0 accepts connections, then a clear error."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(5.0, timeout_s)).close()
+            return
+        except socket.gaierror:
+            raise ConfigError(f"--master-addr {host!r} is not a known host name") from None
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"cannot reach the master at {host}:{port} within {timeout_s:.0f} s: start "
+                    "node 0 first, or check --master-addr/--master-port and the firewall"
+                ) from None
+            time.sleep(0.5)
+
+
+def _keep_worker_store_on(host: str) -> None:
+    """Make torchrun's agent serve the workers' store on `host` only.
+
+    The agent opens that store itself, and TCPStore then listens on every interface;
+    for a job whose nodes all live on this machine that is needless exposure.
+    """
+    from ddpkit.launch import serve_store
+
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler as Handler,
+        )
+    except ImportError:  # pragma: no cover - older torch: leave torch's default
+        return
+    if not hasattr(Handler, "_create_tcp_store_server"):  # pragma: no cover
+        return
+
+    def create(self: Any, master_addr: str, master_port: int) -> Any:
+        return serve_store(host, master_port, multi_tenant=True)
+
+    Handler._create_tcp_store_server = create  # type: ignore[method-assign]
+
+
+def _thread_env(nproc: int) -> dict[str, str]:
+    from ddpkit.launch import cpu_count
+
+    env: dict[str, str] = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // nproc))
+    return env
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpkit.launch import serve_store
+
+    command, nproc = _validate(args)
+    single = args.nnodes == 1
+    host = "127.0.0.1" if single else args.master_addr
+    local = single or _is_loopback(host)
+    store: Any = None
+    if args.node_rank == 0:
+        # Node 0 serves the rendezvous itself, bound to the one address it was given.
+        try:
+            store = serve_store(host, 0 if single else args.master_port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve the rendezvous on {host}:{args.master_port} ({exc.strerror}): "
+                "on node 0, --master-addr must be an address of this machine and "
+                "--master-port a free port"
+            ) from None
+        port = store.port
+    else:
+        port = args.master_port
+        _wait_for_master(host, port, args.rdzv_timeout)
+    if local:
+        _keep_worker_store_on("127.0.0.1")
+    status = Path(tempfile.mkdtemp(prefix="ddpkit-run-"))
+    env = {
+        **_thread_env(nproc),
+        "DDPKIT_STATUS_DIR": str(status),
+        "DDPKIT_HANG_TIMEOUT": str(args.hang_timeout),
+    }
+    if local and "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform == "linux":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ.update(env)
+    run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
+    torchrun_args = [
+        "--nnodes", str(args.nnodes), "--nproc-per-node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id,
+        "--rdzv-conf", f"is_host=false,join_timeout={int(args.rdzv_timeout)}",
+        "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1",
+        *(["--local-addr", "127.0.0.1"] if local else []),
+        "--module", "ddpkit._shim", *command,
+    ]  # fmt: skip
+    try:
+        return _supervise(torchrun_args, status, args.hang_timeout, nproc if single else None)
+    finally:
+        import shutil
+
+        shutil.rmtree(status, ignore_errors=True)
+        del store
+
+
+def _latest_attempt(status: Path) -> Path:
+    attempts = sorted(status.glob("attempt*"), key=lambda p: int(p.name[7:] or 0))
+    return attempts[-1] if attempts else status / "attempt0"
+
+
+class _HangWatch(threading.Thread):
+    """Polls the workers' reports; on a hang, remembers it and signals the agent."""
+
+    def __init__(self, status: Path, timeout_s: float, nproc: int) -> None:
+        super().__init__(name="ddpkit-hang-watch", daemon=True)
+        self.status, self.timeout_s, self.nproc = status, timeout_s, nproc
+        self.hang: Any = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        from ddpkit.diagnose import find_hang
+
+        while not self.done.wait(1.0):
+            hang = find_hang(_latest_attempt(self.status), self.timeout_s, self.nproc)
+            if hang is not None:
+                self.hang = hang
+                # The agent turns SIGTERM into SignalException in the main thread and
+                # stops every worker on its way out.
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+
+def _supervise(
+    torchrun_args: list[str], status: Path, hang_timeout: float, world_size: int | None
+) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args
+    from torch.distributed.run import run as torchrun
+
+    from ddpkit.diagnose import HANG_EXIT
+
+    parsed = parse_args(torchrun_args)  # type: ignore[no-untyped-call]
+    nproc = int(parsed.nproc_per_node)
+    watch = _HangWatch(status, hang_timeout, nproc) if hang_timeout > 0 else None
+    if watch:
+        watch.start()
+    try:
+        torchrun(parsed)  # type: ignore[no-untyped-call]
+        return 0
+    except ChildFailedError as exc:
+        print(_crash_report(exc, _latest_attempt(status)), file=sys.stderr, flush=True)
+        return 1
+    except SignalException as exc:
+        if watch is not None and watch.hang is not None:
+            hang = watch.hang
+            print(f"{hang.summary(world_size)}\n\n{hang.stacks()}\n\nddpkit: stopped the hung "
+                  f"job (exit status {HANG_EXIT}); the summary is above the stacks",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return HANG_EXIT
+        print(f"ddpkit: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    finally:
+        if watch:
+            watch.done.set()
+
+
+def _crash_report(exc: Any, folder: Path) -> str:
+    """The first failing rank, its exit code and its traceback, as the last lines."""
+    from ddpkit.diagnose import blame_key, read_reports
+
+    errors = read_reports(folder, ".error.json")
+    candidates = []
+    for rank, failure in exc.failures.items():
+        err = errors.get(rank, {})
+        message = f"{err.get('exc_type', '')}: {err.get('message', '')}" if err else ""
+        when = float(err.get("time", failure.timestamp))
+        candidates.append((blame_key(failure.exitcode, message, when), rank, failure, err))
+    _, rank, failure, err = min(candidates, key=lambda c: c[0])
+    code = failure.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    if err:
+        return (f"ddpkit: rank {rank} failed first: {err['exc_type']}: {err['message']}\n"
+                f"{err['traceback'].rstrip()}\n"
+                f"ddpkit: the job failed: rank {rank} raised {err['exc_type']} and {how}; "
+                "the other ranks were stopped")  # fmt: skip
+    return f"ddpkit: the job failed: rank {rank} {how}; the other ranks were stopped"
