@@ -233,3 +233,18 @@ def test_every_server_of_a_job_listens_on_loopback_only() -> None:
     assert addresses, "expected the store and gloo to listen somewhere"
     # 0100007F is 127.0.0.1 in /proc's byte order; "*" would be 00000000 / ::.
     assert all(a.split(":")[0] == "0100007F" for a in addresses), addresses
+
+
+def test_public_names_stay_what_they_are_after_submodules_load() -> None:
+    # A submodule named like a function would replace it on the package once imported.
+    import importlib
+    import pkgutil
+
+    import ddpkit
+
+    for info in pkgutil.walk_packages(ddpkit.__path__, "ddpkit."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    for name in ddpkit.__all__:
+        assert not isinstance(getattr(ddpkit, name), type(ddpkit)), name
+    assert callable(ddpkit.launch)

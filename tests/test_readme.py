@@ -23,7 +23,8 @@ def test_readme_has_examples() -> None:
 def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(BLOCKS[index])
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=240)
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip()

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.launch import launch
+from ddpkit.launcher import launch
 from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 TOL64 = 1e-9  # float64 math: only summation order differs from the reference

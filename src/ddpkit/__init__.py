@@ -18,7 +18,7 @@ _EXPORTS = {
     "ConfigError": "ddpkit.errors",
     "CheckpointError": "ddpkit.errors",
     "WorkerError": "ddpkit.errors",
-    "launch": "ddpkit.launch",
+    "launch": "ddpkit.launcher",
     "prepare_model": "ddpkit.model",
     "unwrap": "ddpkit.model",
     "prepare_loader": "ddpkit.data",
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from ddpkit.data import prepare_loader
     from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, WorkerError
     from ddpkit.job import Job
-    from ddpkit.launch import launch
+    from ddpkit.launcher import launch
     from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums
     from ddpkit.model import prepare_model, unwrap
     from ddpkit.seed import seed_everything

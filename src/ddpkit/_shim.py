@@ -25,7 +25,7 @@ def _status_folder() -> Path | None:
 
 
 def main() -> None:
-    from ddpkit.launch import die_with_parent, exit_now
+    from ddpkit.launcher import die_with_parent, exit_now
     from ddpkit.watchdog import Watchdog, record_error
 
     die_with_parent()  # never outlive the agent, even if it is killed with SIGKILL

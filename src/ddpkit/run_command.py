@@ -69,7 +69,7 @@ def add_parser(sub: Any) -> None:
 
 def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     """The worker command (after the shim) and the processes per node, or ConfigError."""
-    from ddpkit.launch import resolve_backend, resolve_nprocs
+    from ddpkit.launcher import resolve_backend, resolve_nprocs
 
     nproc = resolve_nprocs(args.nproc, resolve_backend("auto"))
     if args.nnodes < 1:
@@ -129,31 +129,45 @@ def _wait_for_master(host: str, port: int, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def _keep_worker_store_on(host: str) -> None:
-    """Make torchrun's agent serve the workers' store on `host` only.
+def _patch_agent_store(loopback: bool) -> None:
+    """Two fixes to the store that torchrun's agent serves for the workers.
 
-    The agent opens that store itself, and TCPStore then listens on every interface;
-    for a job whose nodes all live on this machine that is needless exposure.
+    - torch keeps one such store for every rendezvous round, so after a restart the new
+      workers find the previous attempt's keys and gloo dials ranks that are dead
+      ("connectFullMesh failed"). A fresh store per round, as the comment in torch's
+      rendezvous.py says it should be, makes `--max-restarts` work.
+    - TCPStore listens on every interface; when all nodes live on this machine it is
+      served on 127.0.0.1 only.
     """
-    from ddpkit.launch import serve_store
+    from ddpkit.launcher import serve_store
 
     try:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
             DynamicRendezvousHandler as Handler,
         )
-    except ImportError:  # pragma: no cover - older torch: leave torch's default
+    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
         return
-    if not hasattr(Handler, "_create_tcp_store_server"):  # pragma: no cover
+    if getattr(Handler, "_ddpkit_patched", False):
         return
+    original_next = Handler.next_rendezvous
+
+    def next_rendezvous(self: Any) -> Any:
+        for attr in ("_shared_tcp_store_server", "_bootstrap_store_info"):
+            if hasattr(self, attr):
+                setattr(self, attr, None)
+        return original_next(self)
 
     def create(self: Any, master_addr: str, master_port: int) -> Any:
-        return serve_store(host, master_port, multi_tenant=True)
+        return serve_store("127.0.0.1", master_port, multi_tenant=True)
 
-    Handler._create_tcp_store_server = create  # type: ignore[method-assign]
+    Handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    if loopback and hasattr(Handler, "_create_tcp_store_server"):
+        Handler._create_tcp_store_server = create  # type: ignore[method-assign]
+    Handler._ddpkit_patched = True  # type: ignore[attr-defined]
 
 
 def _thread_env(nproc: int) -> dict[str, str]:
-    from ddpkit.launch import cpu_count
+    from ddpkit.launcher import cpu_count
 
     env: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ:
@@ -162,7 +176,7 @@ def _thread_env(nproc: int) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.launch import serve_store
+    from ddpkit.launcher import serve_store
 
     command, nproc = _validate(args)
     single = args.nnodes == 1
@@ -183,8 +197,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         port = args.master_port
         _wait_for_master(host, port, args.rdzv_timeout)
-    if local:
-        _keep_worker_store_on("127.0.0.1")
+    _patch_agent_store(loopback=local)
     status = Path(tempfile.mkdtemp(prefix="ddpkit-run-"))
     env = {
         **_thread_env(nproc),

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import math
+import os
 from typing import Any
 
 HELP = "train a built-in job (default: digits) with DDP on every GPU or CPU core"
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.checkpoint import check_writable, latest_checkpoint
     from ddpkit.context import DistContext
     from ddpkit.job import example_module
-    from ddpkit.launch import launch, resolve_backend, resolve_nprocs
+    from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
     from ddpkit.trainer import TrainConfig
 
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
@@ -75,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         if config.resume:
             latest_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
     result = launch(train_worker, args.example, config, nprocs=nproc, backend=backend)  # type: ignore[arg-type]
+    if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
+        if os.environ["RANK"] != "0":
+            return 0
+        nproc = int(os.environ["WORLD_SIZE"])
     result["nproc"] = nproc
     if args.json:
         print(json.dumps(result), flush=True)

@@ -33,7 +33,7 @@ COLLECTIVES = (
 
 _OWN_FILES = (__file__, "torch/distributed/", "multiprocessing/", "threading.py", "runpy.py")
 # Frames of the machinery that starts a worker: left out of the stacks we show.
-_PLUMBING = (__file__, "multiprocessing/", "runpy", "<string>", "ddpkit/launch.py",
+_PLUMBING = (__file__, "multiprocessing/", "runpy", "<string>", "ddpkit/launcher.py",
              "ddpkit/_shim.py")  # fmt: skip
 
 

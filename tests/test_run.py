@@ -1,0 +1,285 @@
+"""`ddpkit run`: scripts under torchrun's elastic agent, crash reports, hang diagnosis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli, wait_for_files, wait_gone
+
+PIDS = """
+import os
+from pathlib import Path
+rank = int(os.environ["RANK"])
+Path(os.environ["PID_DIR"], f"{rank}.pid").write_text(str(os.getpid()))
+"""
+
+CRASH = (
+    PIDS
+    + """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+if rank == 1:
+    raise ValueError("rank one is broken")
+dist.barrier()  # rank 0 would wait here forever
+dist.destroy_process_group()
+"""
+)
+
+# The seed's warning: a collective under a rank check. Rank 0 waits in the barrier,
+# rank 1 in the next all_reduce; neither ever returns.
+HANG = (
+    PIDS
+    + """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+for step in range(10**9):
+    dist.all_reduce(t)  # line 11
+    if rank == 0 and step == 3:
+        dist.barrier()  # line 13
+"""
+)
+
+SLEEP = (
+    PIDS
+    + """
+import time
+time.sleep(300)
+"""
+)
+
+# A Trainer job that resumes from its checkpoints; on the first attempt rank 1 kills
+# itself with SIGKILL in the middle of epoch 4 (after 3 checkpoints).
+ELASTIC = """
+import os, signal, sys
+import torch
+from torch import nn
+import ddpkit
+from ddpkit.examples.seed import dataset
+
+def main(ctx, folder, kill):
+    ddpkit.seed_everything(0)
+    model = nn.Linear(20, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    calls = 0
+
+    def loss_fn(out, target):
+        nonlocal calls
+        calls += 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if kill and first_attempt and ctx.rank == 1 and calls == 3 * 32 + 10:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return nn.functional.mse_loss(out, target)
+
+    config = ddpkit.TrainConfig(epochs=6, checkpoint_dir=folder, resume=True)
+    trainer = ddpkit.Trainer(model, opt, dataset(), ctx, config, loss_fn=loss_fn,
+                             log_fn=lambda s: None)
+    fit = trainer.fit()
+    return ddpkit.model_digest(trainer.model), fit.global_step
+
+if __name__ == "__main__":
+    digest, steps = ddpkit.launch(main, sys.argv[1], sys.argv[2] == "kill")
+    if os.environ["RANK"] == "0":
+        print(json.dumps({"digest": digest, "steps": steps}))
+""".replace("import os, signal, sys", "import json, os, signal, sys")
+
+
+def _script(tmp_path: Path, name: str, body: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def _pids(tmp_path: Path) -> list[int]:
+    return [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+
+
+def test_a_crashing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
+    script = _script(tmp_path, "crash.py", CRASH)
+    start = time.monotonic()
+    out = run_cli("run", "--nproc", "2", str(script), env={"PID_DIR": str(tmp_path)})
+    elapsed = time.monotonic() - start
+    assert out.returncode != 0
+    tail = out.stderr.strip().splitlines()[-6:]
+    text = "\n".join(tail)
+    assert "rank 1 failed first: ValueError: rank one is broken" in text
+    assert 'raise ValueError("rank one is broken")' in text
+    assert tail[-1].startswith(
+        "ddpkit: the job failed: rank 1 raised ValueError and exited with code 1"
+    )
+    assert elapsed < 60
+    pids = _pids(tmp_path)
+    assert len(pids) == 2 and wait_gone(pids, within=5) == []
+
+
+def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) -> None:
+    script = _script(tmp_path, "hang.py", HANG)
+    start = time.monotonic()
+    out = run_cli(
+        "run", "--nproc", "2", "--hang-timeout", "10", str(script), env={"PID_DIR": str(tmp_path)}
+    )
+    elapsed = time.monotonic() - start
+    assert out.returncode == 124, out.stderr
+    err = out.stderr
+    summary = err[err.index("ddpkit: the job is hung") :]
+    assert f"rank 0: in barrier (collective #5) at {script}:13" in summary
+    assert f"rank 1: in all_reduce (collective #5) at {script}:11" in summary
+    assert "rank 0 waits in barrier #5; rank 1 never reached it" in summary
+    assert summary.index("Where each rank is") < summary.index("Python stack of rank 0")
+    assert elapsed < 10 + 30, f"took {elapsed:.0f}s"
+    assert wait_gone(_pids(tmp_path), within=5) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_together(tmp_path: Path) -> None:
+    port = str(_free_port())
+    common = [
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--nproc",
+        "1",
+        "-m",
+        "ddpkit",
+        "train",
+        "--example",
+        "seed",
+        "--epochs",
+        "2",
+        "--json",
+    ]
+    cmd = [sys.executable, "-m", "ddpkit", "run"]
+    nodes = [
+        subprocess.Popen(
+            [*cmd, "--node-rank", str(r), *common],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [n.communicate(timeout=180) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs
+    results = [
+        json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")
+    ]
+    assert len(results) == 1  # one job, one result
+    alone = json.loads(
+        run_cli(
+            "train", "--example", "seed", "--epochs", "2", "--nproc", "2", "--json"
+        ).stdout.splitlines()[-1]
+    )
+    assert results[0]["nproc"] == 2
+    assert results[0]["model_digest"] == alone["model_digest"]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_restarted_and_resumes_exactly(tmp_path: Path) -> None:
+    script = _script(tmp_path, "elastic.py", ELASTIC)
+
+    def job(folder: str, kill: str) -> dict[str, object]:
+        out = run_cli(
+            "run", "--nproc", "2", "--max-restarts", "1", str(script), str(tmp_path / folder), kill
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    straight = job("a", "no")
+    killed = job("b", "kill")
+    assert killed == straight  # same digest, same number of steps
+    assert straight["steps"] == 6 * 32
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_ddpkit_run_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
+    script = _script(tmp_path, "sleep.py", SLEEP)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+        env={**os.environ, "PID_DIR": str(tmp_path)},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    wait_for_files([tmp_path / "0.pid", tmp_path / "1.pid"])
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert wait_gone(_pids(tmp_path)) == []
+
+
+def _one_line_error(out: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert out.returncode == 2, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ddpkit: error:"), out.stderr
+    assert needle in lines[0]
+
+
+def test_bad_input_is_one_clear_line(tmp_path: Path) -> None:
+    _one_line_error(run_cli("run", str(tmp_path / "missing.py")), "does not exist")
+    _one_line_error(run_cli("run", "-m", "no_such_module_xyz"), "no module named")
+    script = _script(tmp_path, "ok.py", "print('hi')\n")
+    _one_line_error(run_cli("run", "--nproc", "0", str(script)), "nprocs must be")
+    _one_line_error(
+        run_cli(
+            "run", "--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", str(script)
+        ),
+        "--node-rank must be in [0, 2)",
+    )
+    start = time.monotonic()
+    _one_line_error(
+        run_cli(
+            "run",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "--rdzv-timeout",
+            "2",
+            str(script),
+        ),
+        "cannot reach the master",
+    )
+    assert time.monotonic() - start < 30
+
+
+def test_a_clean_script_with_arguments_runs_on_every_rank(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "hello.py",
+        """
+        import os, sys
+        print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], sys.argv[1:],
+              "threads", os.environ["OMP_NUM_THREADS"])
+    """,
+    )
+    out = run_cli("run", "--nproc", "2", str(script), "--lr", "0.1")
+    assert out.returncode == 0, out.stderr
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 ['--lr', '0.1'] threads {threads}" in out.stdout
