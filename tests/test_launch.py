@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import ConfigError, DistContext, WorkerError, launch
+from ddpkit.errors import HangError
 from tests.conftest import ROOT, pid_alive, wait_for_files, wait_gone
 
 
@@ -248,3 +249,24 @@ def test_public_names_stay_what_they_are_after_submodules_load() -> None:
     for name in ddpkit.__all__:
         assert not isinstance(getattr(ddpkit, name), type(ddpkit)), name
     assert callable(ddpkit.launch)
+
+
+def _barrier_on_rank0_only(ctx: DistContext) -> None:
+    t = torch.ones(1)
+    for step in range(10**9):
+        dist.all_reduce(t)
+        if ctx.rank == 0 and step == 2:
+            dist.barrier()
+
+
+def test_a_hang_is_diagnosed_and_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        launch(_barrier_on_rank0_only, nprocs=2, hang_timeout=5)
+    elapsed = time.monotonic() - start
+    summary = info.value.summary
+    assert "rank 0: in barrier (collective #4)" in summary
+    assert "rank 1: in all_reduce (collective #4)" in summary
+    assert "rank 0 waits in barrier #4; rank 1 never reached it" in summary
+    assert "dist.barrier()" in info.value.stacks and "dist.all_reduce(t)" in info.value.stacks
+    assert elapsed < 5 + 25

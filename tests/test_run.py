@@ -283,3 +283,16 @@ def test_a_clean_script_with_arguments_runs_on_every_rank(tmp_path: Path) -> Non
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for rank in (0, 1):
         assert f"rank {rank} of 2 ['--lr', '0.1'] threads {threads}" in out.stdout
+
+
+def test_info_describes_this_machine() -> None:
+    out = run_cli("info", "--json")
+    assert out.returncode == 0, out.stdout
+    facts = json.loads(out.stdout)
+    assert facts["backends"]["gloo"] is True
+    assert facts["default_nproc"] == (
+        facts["cpu_cores"] if not facts["gpus"] else len(facts["gpus"])
+    )
+    assert facts["free_loopback_port"] is True and facts["problems"] == []
+    text = run_cli("info").stdout
+    assert "backends: gloo" in text and "no problems found" in text

@@ -13,11 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import __version__
-from ddpkit.errors import DdpkitError, WorkerError
+from ddpkit.errors import DdpkitError, HangError, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddpkit import run_command, train_command
+    from ddpkit import info_command, run_command, train_command
     from ddpkit.check.command import add_parser as add_check_parser
 
     parser = argparse.ArgumentParser(
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     train_command.add_parser(sub)
     run_command.add_parser(sub)
+    info_command.add_parser(sub)
     add_check_parser(sub)
     return parser
 
@@ -50,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         return int(args.func(args))
+    except HangError as exc:
+        from ddpkit.diagnose import HANG_EXIT
+
+        print(f"{exc}\n\nddpkit: stopped the hung job (exit status {HANG_EXIT})", file=sys.stderr)
+        return HANG_EXIT
     except WorkerError as exc:
         if exc.exc_type in _USER_ERRORS:  # bad input found inside a worker: one line
             print(f"ddpkit: error: {super(WorkerError, exc).__str__()}", file=sys.stderr)

@@ -75,7 +75,14 @@ def run(args: argparse.Namespace) -> int:
         check_writable(config.checkpoint_dir)
         if config.resume:
             latest_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
-    result = launch(train_worker, args.example, config, nprocs=nproc, backend=backend)  # type: ignore[arg-type]
+    result = launch(
+        train_worker,
+        args.example,
+        config,
+        nprocs=nproc,
+        backend=backend,  # type: ignore[arg-type]
+        hang_timeout=args.hang_timeout,
+    )
     if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
         if os.environ["RANK"] != "0":
             return 0

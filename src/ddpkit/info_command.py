@@ -1,0 +1,104 @@
+"""`ddpkit info`: what this machine offers for distributed training, and what would
+stop a job before it starts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+from typing import Any
+
+HELP = "show what this machine offers for distributed training (devices, backends, problems)"
+# A GPU with less than this share of its memory free is probably busy with another job.
+_BUSY_FREE_SHARE = 0.5
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser("info", help=HELP, description=HELP)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def gather() -> dict[str, Any]:
+    """Facts about this machine; `problems` lists what would stop or slow a job."""
+    import torch
+    import torch.distributed as dist
+
+    from ddpkit import __version__
+    from ddpkit.launcher import cpu_count, resolve_backend, resolve_nprocs
+
+    problems: list[str] = []
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            gpus.append({"index": i, "name": props.name, "memory_gib": round(total / 2**30, 1),
+                         "free_gib": round(free / 2**30, 1)})  # fmt: skip
+            if free < _BUSY_FREE_SHARE * total:
+                problems.append(
+                    f"GPU {i} has only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free: another "
+                    "job may be using it (see nvidia-smi), or hide it with CUDA_VISIBLE_DEVICES"
+                )
+    backends = {
+        "gloo": dist.is_available() and dist.is_gloo_available(),
+        "nccl": dist.is_available() and dist.is_nccl_available(),
+    }
+    if not dist.is_available():
+        problems.append("this torch build has no torch.distributed: install another build")
+    if gpus and not backends["nccl"]:
+        problems.append("GPUs are visible but this torch has no nccl: install a CUDA build")
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+        port_ok = True
+    except OSError as exc:
+        port_ok = False
+        problems.append(f"cannot bind a free port on 127.0.0.1 ({exc.strerror}): no local "
+                        "rendezvous is possible")  # fmt: skip
+    backend = resolve_backend("auto")
+    return {
+        "ddpkit": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_cores": cpu_count(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cuda_available": torch.cuda.is_available(),
+        "gpus": gpus,
+        "backends": backends,
+        "default_backend": backend,
+        "default_nproc": resolve_nprocs("auto", backend),
+        "free_loopback_port": port_ok,
+        "problems": problems,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = gather()
+    if args.json:
+        print(json.dumps(facts))
+    else:
+        print(f"ddpkit {facts['ddpkit']}, torch {facts['torch']}, Python {facts['python']}")
+        print(
+            f"CPU cores: {facts['cpu_cores']} (OMP_NUM_THREADS: "
+            f"{facts['omp_num_threads'] or 'unset; ddpkit gives each rank cores // nproc'})"
+        )
+        if facts["gpus"]:
+            for gpu in facts["gpus"]:
+                print(
+                    f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB "
+                    f"({gpu['free_gib']} GiB free)"
+                )
+        else:
+            print("GPUs: none visible (ranks run on the CPU with gloo)")
+        usable = [name for name, ok in facts["backends"].items() if ok]
+        print(f"backends: {', '.join(usable) or 'none'}")
+        print(f"default: {facts['default_nproc']} process(es) with {facts['default_backend']}")
+        print(f"free port on 127.0.0.1: {'yes' if facts['free_loopback_port'] else 'NO'}")
+        for problem in facts["problems"]:
+            print(f"problem: {problem}")
+        if not facts["problems"]:
+            print("no problems found")
+    return 1 if facts["problems"] else 0
