@@ -77,3 +77,74 @@ def test_help_and_version() -> None:
     out = run_cli("train", "--help")
     assert out.returncode == 0 and "--checkpoint-dir" in out.stdout
     assert run_cli("--version").stdout.startswith("ddpkit ")
+
+
+JOB = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import ddpkit
+
+DEFAULTS = {"epochs": 5, "batch_size": 8}
+
+def build(ctx):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    return ddpkit.Job(model=model, optimizer=opt, train_set=TensorDataset(x, y),
+                      eval_set=TensorDataset(x[:37], y[:37]),
+                      loss_fn=nn.functional.cross_entropy, scheduler=sched)
+"""
+
+
+@pytest.mark.slow
+def test_own_job_with_a_toml_config_trains_logs_and_plots(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    job = tmp_path / "myjob.py"
+    job.write_text(JOB)
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[train]\nepochs = 3\nbatch_size = 4\nprecision = "bf16"\naccumulate = 2\n'
+        f'clip_grad_norm = 1.0\nlog_every = 2\nrun_dir = "{tmp_path / "run"}"\n'
+    )
+    out = run_cli(
+        "train",
+        "--job",
+        f"{job}:build",
+        "--config",
+        str(config),
+        "--epochs",
+        "2",
+        "--nproc",
+        "2",
+        "--json",
+    )  # the flag beats the file
+    result = _result(out)
+    assert result["epochs"] == 2 and result["example"] == f"{job}:build"
+    assert result["global_step"] == 2 * 8  # 128 / (4 x 2 micro-batches x 2 ranks)
+    assert result["test_accuracy"] is not None
+    run = tmp_path / "run"
+    saved = json.loads((run / "config.json").read_text())
+    assert saved["precision"] == "bf16" and saved["epochs"] == 2 and saved["accumulate"] == 2
+    kinds = [json.loads(x)["kind"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert kinds.count("epoch") == 2 and kinds.count("step") == 8
+    plotted = run_cli("plot", str(run))
+    assert plotted.returncode == 0, plotted.stderr
+    for name in ("loss.png", "eval.png", "throughput.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_config_file_and_job_are_one_clear_line(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("batch_sise = 8\n")
+    _one_line_error(run_cli("train", "--config", str(config)), "batch_sise", "batch_size")
+    _one_line_error(run_cli("train", "--job", "no_such_pkg_xyz:build"), "no_such_pkg_xyz")
+
+
+@pytest.mark.slow
+def test_digits_in_bf16_still_reaches_95_percent() -> None:
+    out = _result(run_cli("train", "--precision", "bf16", "--json"))
+    assert out["test_accuracy"] >= 0.95

@@ -270,3 +270,13 @@ def test_a_hang_is_diagnosed_and_stopped() -> None:
     assert "rank 0 waits in barrier #4; rank 1 never reached it" in summary
     assert "dist.barrier()" in info.value.stacks and "dist.all_reduce(t)" in info.value.stacks
     assert elapsed < 5 + 25
+
+
+def _tensor_result(ctx: DistContext) -> torch.Tensor:
+    return torch.arange(100_000, dtype=torch.float32) * (ctx.rank + 1)
+
+
+def test_tensors_come_back_from_rank0_intact() -> None:
+    # Workers exit right after sending: the result must not depend on them staying alive.
+    out = launch(_tensor_result, nprocs=2)
+    assert torch.equal(out, torch.arange(100_000, dtype=torch.float32))

@@ -33,16 +33,20 @@ _EXPORTS = {
     "SyncBatchNorm": "ddpkit.syncbn",
     "convert_sync_batchnorm": "ddpkit.syncbn",
     "Trainer": "ddpkit.trainer",
-    "TrainConfig": "ddpkit.trainer",
+    "TrainConfig": "ddpkit.config",
+    "Callback": "ddpkit.callbacks",
+    "EarlyStopping": "ddpkit.callbacks",
     "FitResult": "ddpkit.trainer",
     "Job": "ddpkit.job",
 }
 
 __all__ = [
+    "Callback",
     "CheckpointError",
     "ConfigError",
     "DdpkitError",
     "DistContext",
+    "EarlyStopping",
     "FitResult",
     "Job",
     "SyncBatchNorm",
@@ -66,7 +70,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from ddpkit.callbacks import Callback, EarlyStopping
     from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, model_digest, save_checkpoint
+    from ddpkit.config import TrainConfig
     from ddpkit.context import DistContext
     from ddpkit.data import prepare_loader
     from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, WorkerError
@@ -76,7 +82,7 @@ if TYPE_CHECKING:
     from ddpkit.model import prepare_model, unwrap
     from ddpkit.seed import seed_everything
     from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
-    from ddpkit.trainer import FitResult, TrainConfig, Trainer
+    from ddpkit.trainer import FitResult, Trainer
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -272,7 +273,7 @@ def _supervise(
         conn = open_conns.get(rank)
         while conn is not None and conn.poll():
             try:
-                msg = conn.recv()
+                msg = pickle.loads(conn.recv_bytes())
             except (EOFError, OSError):
                 open_conns.pop(rank).close()
                 return
@@ -458,10 +459,10 @@ def _worker(
             )
         initialised = True
         result = fn(DistContext(rank, rank, world, world, device, spec.backend), *args)
-        conn.send(("ok", result if rank == 0 else None))
+        _send(conn, ("ok", result if rank == 0 else None))
     except SystemExit as exc:
         if exc.code in (0, None):
-            conn.send(("ok", None))
+            _send(conn, ("ok", None))
         else:
             _report(conn, exc)
             code = exc.code if isinstance(exc.code, int) else 1
@@ -490,7 +491,14 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+    # Plain pickle copies tensor data into the message. multiprocessing's own pickler
+    # would pass tensors as shared-memory handles that the parent can only open while
+    # this worker is still alive, and workers exit right after sending.
+    conn.send_bytes(pickle.dumps(message))
+
+
 def _report(conn: Connection, exc: BaseException) -> None:
     # If the parent is gone or the pipe broke, the exit code still tells.
     with contextlib.suppress(Exception):
-        conn.send(("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc()))
+        _send(conn, ("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc()))

@@ -1,88 +1,94 @@
-"""`ddpkit train`: run a built-in job on every GPU or CPU core of this machine."""
+"""`ddpkit train`: run a built-in job or the user's own on every GPU or CPU core.
+
+Every field of TrainConfig is a flag (`--batch-size`, `--precision`, ...); a TOML file
+given with `--config` sets any of them, and flags given on the command line win.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
 import os
+import typing
 from typing import Any
 
-HELP = "train a built-in job (default: digits) with DDP on every GPU or CPU core"
+from ddpkit.config import PRECISIONS, TrainConfig
+
+HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
+_CHOICES = {"precision": PRECISIONS, "scheduler_interval": ("epoch", "step")}
 
 
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("train", help=HELP, description=HELP)
-    p.add_argument("--example", default="digits", help="built-in job: digits (default) or seed")
-    p.add_argument(
-        "--nproc",
-        default="auto",
-        help="processes: 'auto' = one per GPU, else one per CPU core (default)",
-    )
-    p.add_argument(
-        "--backend",
-        default="auto",
-        choices=("auto", "gloo", "nccl"),
-        help="auto = nccl on GPUs, gloo on CPU",
-    )
-    p.add_argument("--epochs", type=int, help="epochs to train (default: the example's)")
-    p.add_argument("--batch-size", type=int, help="samples per rank per step")
-    p.add_argument("--save-every", type=int, help="checkpoint every N epochs (and at the end)")
-    p.add_argument("--checkpoint-dir", help="folder for checkpoints (default: none written)")
-    p.add_argument("--keep-last", type=int, help="checkpoints to keep (default 3)")
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest checkpoint in --checkpoint-dir",
-    )
-    p.add_argument("--seed", type=int, help="seed of every RNG and of the data order (default 0)")
-    p.add_argument("--num-workers", type=int, help="data-loading processes per rank")
-    p.add_argument(
-        "--json", action="store_true", help="print the result as one JSON object on the last line"
-    )
+    job = p.add_mutually_exclusive_group()
+    job.add_argument("--example", help="built-in job: digits (the default) or seed")
+    job.add_argument("--job", metavar="MODULE:FUNCTION",
+                     help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)")  # fmt: skip
+    p.add_argument("--config", metavar="FILE.toml", help="TrainConfig options from a TOML file")
+    p.add_argument("--nproc", default="auto",
+                   help="processes: 'auto' = one per GPU, else one per CPU core (default)")  # fmt: skip
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="auto = nccl on GPUs, gloo on CPU")  # fmt: skip
+    p.add_argument("--hang-timeout", type=float, default=300.0,
+                   help="stop and diagnose the job when no rank progresses this long (0: off)")  # fmt: skip
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object on the last line")  # fmt: skip
+    options = p.add_argument_group("training options (TrainConfig; flags win over --config)")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        kind = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if f.default is not None:
+            help_ += f" (default: {f.default})"
+        if kind is bool:
+            options.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                 help=help_)  # fmt: skip
+        else:
+            options.add_argument(flag, type=kind, default=None, help=help_,
+                                 choices=_CHOICES.get(f.name))  # fmt: skip
     p.set_defaults(func=run)
 
 
-_CONFIG_FLAGS = (
-    "epochs",
-    "batch_size",
-    "save_every",
-    "checkpoint_dir",
-    "keep_last",
-    "seed",
-    "num_workers",
-)
+def _base_type(hint: Any) -> Any:
+    """int for `int` and `int | None`, and so on."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
 
 
 def run(args: argparse.Namespace) -> int:
     # torch is imported here, not at module level, so `ddpkit --help` stays fast.
     from ddpkit.checkpoint import check_writable, latest_checkpoint
+    from ddpkit.config_file import load_config_file, load_job, merge_config
     from ddpkit.context import DistContext
     from ddpkit.job import example_module
     from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
-    from ddpkit.trainer import TrainConfig
 
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
-    module = example_module(args.example)
+    if args.job:
+        _, defaults = load_job(args.job)  # fail here, not in every worker
+        job_name = args.job
+    else:
+        job_name = args.example or "digits"
+        defaults = dict(example_module(job_name).DEFAULTS)
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)
-    values: dict[str, Any] = dict(module.DEFAULTS)
-    values.update({k: getattr(args, k) for k in _CONFIG_FLAGS if getattr(args, k) is not None})
-    config = TrainConfig(resume=args.resume, **values)
+    from_file = load_config_file(args.config) if args.config else {}
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**merge_config(defaults, from_file, flags))
     # Check what can be checked before any process starts, so bad input costs nothing.
     if config.checkpoint_dir is not None:
         check_writable(config.checkpoint_dir)
         if config.resume:
             latest_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
     result = launch(
-        train_worker,
-        args.example,
-        config,
-        nprocs=nproc,
+        train_worker, job_name, bool(args.job), config, nprocs=nproc,
         backend=backend,  # type: ignore[arg-type]
         hang_timeout=args.hang_timeout,
-    )
+    )  # fmt: skip
     if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
         if os.environ["RANK"] != "0":
             return 0
@@ -92,9 +98,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result), flush=True)
     else:
         acc = result["test_accuracy"]
+        loss = math.nan if result["final_loss"] is None else result["final_loss"]
         print(
-            f"done: {result['epochs']} epochs, {result['global_step']} steps, "
-            f"loss {math.nan if result['final_loss'] is None else result['final_loss']:.4f}"
+            f"done: {result['epochs']} epochs, {result['global_step']} steps, loss {loss:.4f}"
             + (f", test accuracy {acc:.2%}" if acc is not None else "")
             + f", {result['samples_per_s']:,.0f} samples/s, digest {result['model_digest'][:12]}",
             flush=True,
@@ -102,28 +108,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def train_worker(ctx: Any, example: str, config: Any) -> dict[str, Any]:
+def train_worker(ctx: Any, job_name: str, user_job: bool, config: Any) -> dict[str, Any]:
     """Runs on every rank: build the job, train it, describe the result (rank 0's wins)."""
     from ddpkit.checkpoint import model_digest
+    from ddpkit.config_file import load_job
     from ddpkit.job import example_module
     from ddpkit.seed import seed_everything
     from ddpkit.trainer import Trainer
 
     seed_everything(config.seed)
-    job = example_module(example).build(ctx)
+    build = load_job(job_name)[0] if user_job else example_module(job_name).build
+    job = build(ctx)
     trainer = Trainer(
-        job.model,
-        job.optimizer,
-        job.train_set,
-        ctx,
-        config,
-        loss_fn=job.loss_fn,
-        eval_set=job.eval_set,
-        scheduler=job.scheduler,
-    )
+        job.model, job.optimizer, job.train_set, ctx, config,
+        loss_fn=job.loss_fn, eval_set=job.eval_set, scheduler=job.scheduler,
+    )  # fmt: skip
     fit = trainer.fit()
     return {
-        "example": example,
+        "example": job_name,
         "epochs": fit.epochs,
         "global_step": fit.global_step,
         "samples_per_s": round(fit.samples_per_s, 1),
@@ -132,5 +134,6 @@ def train_worker(ctx: Any, example: str, config: Any) -> dict[str, Any]:
         "test_accuracy": fit.eval.get("accuracy"),
         "eval_loss": fit.eval.get("eval_loss"),
         "checkpoint": str(fit.checkpoint) if fit.checkpoint else None,
+        "run_dir": config.run_dir,
         "model_digest": model_digest(trainer.model),
     }

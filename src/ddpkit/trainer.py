@@ -2,86 +2,39 @@
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Dataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
 
+from ddpkit.callbacks import Callback, EarlyStopping
 from ddpkit.checkpoint import latest_checkpoint, load_model_state, save_checkpoint
+from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.data import prepare_loader
 from ddpkit.errors import ConfigError
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import prepare_model, unwrap
+from ddpkit.runlog import RunLog
 from ddpkit.seed import set_rng_state
 
 log = logging.getLogger("ddpkit")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Every knob of a training run; validated on construction.
-
-    `batch_size` is per rank (the global batch is `batch_size * world_size`).
-    `save_every` is in epochs; a checkpoint is also written after the last epoch.
-    """
-
-    epochs: int = 10
-    batch_size: int = 32
-    seed: int = 0
-    save_every: int = 1
-    checkpoint_dir: str | None = None
-    resume: bool = False
-    keep_last: int = 3
-    num_workers: int = 0
-    drop_last: bool = False
-    sync_batchnorm: bool = True
-    find_unused_parameters: bool = False
-    progress: bool | None = None  # None: a progress bar when stdout is a terminal
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, name: str, rule: str, fix: str) -> None:
-            if not ok:
-                value = getattr(self, name)
-                raise ConfigError(f"{name} must be {rule} (got {value!r}): {fix}")
-
-        for name in ("epochs", "batch_size", "keep_last"):
-            value = getattr(self, name)
-            flag = "--" + name.replace("_", "-")
-            need(isinstance(value, int) and value >= 1, name, ">= 1", f"pass {flag} 1 or more")
-        need(
-            isinstance(self.save_every, int) and self.save_every >= 0,
-            "save_every",
-            ">= 0",
-            "pass --save-every 0 to save after the last epoch only",
-        )
-        need(
-            isinstance(self.num_workers, int) and self.num_workers >= 0,
-            "num_workers",
-            ">= 0",
-            "pass --num-workers 0 to load data in the training process",
-        )
-        need(isinstance(self.seed, int), "seed", "an integer", "pass --seed 0")
-        need(
-            not self.resume or self.checkpoint_dir is not None,
-            "resume",
-            "used with a checkpoint folder",
-            "pass --checkpoint-dir DIR with --resume",
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+# Autocast dtype of each TrainConfig.precision.
+AMP_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -94,14 +47,18 @@ class FitResult:
     final_loss: float
     eval: dict[str, float] = field(default_factory=dict)
     checkpoint: Path | None = None
+    stopped_early: bool = False
 
 
 class Trainer:
     """Trains `model` on `train_set` with DDP over all ranks of `ctx`.
 
-    The model is moved, BatchNorm-synchronized and wrapped here (`prepare_model`);
-    build the optimizer on the bare model's parameters before, as in a one-GPU script.
-    `loss_fn(outputs, targets)` must return the mean over the batch.
+    The model is moved, BatchNorm-synchronized, wrapped (`prepare_model`) and, with
+    `compile=True`, compiled here; build the optimizer on the bare model's parameters
+    before, as in a one-GPU script. `loss_fn(outputs, targets)` must return the mean
+    over the batch. `train_sampler` replaces ddpkit's DistributedSampler and must shard
+    by itself; ranks may then get different numbers of batches (also with an
+    IterableDataset), which DDP's Join handles so that no rank hangs or drops work.
     """
 
     def __init__(
@@ -115,97 +72,175 @@ class Trainer:
         loss_fn: LossFn = nn.functional.cross_entropy,
         eval_set: Dataset[Any] | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        train_sampler: Sampler[Any] | None = None,
+        callbacks: Sequence[Callback] = (),
         log_fn: Callable[[str], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.config = config = config or TrainConfig()
         self.model = prepare_model(
-            model,
-            ctx,
-            sync_batchnorm=config.sync_batchnorm,
+            model, ctx, sync_batchnorm=config.sync_batchnorm,
             find_unused_parameters=config.find_unused_parameters,
-        )
+        )  # fmt: skip
+        if config.compile:
+            # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
+            # bucket boundaries, so communication still overlaps the backward pass.
+            self.model = cast(nn.Module, torch.compile(self.model))
         self.optimizer = optimizer
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.scheduler = scheduler
         self.loss_fn = loss_fn
         self.train_loader = prepare_loader(
-            train_set,
-            ctx,
-            config.batch_size,
-            seed=config.seed,
-            num_workers=config.num_workers,
-            drop_last=config.drop_last,
-        )
-        self.eval_loader = (
-            None
-            if eval_set is None
-            else prepare_loader(
-                eval_set,
-                ctx,
-                config.batch_size,
-                evaluation=True,
-                num_workers=config.num_workers,
+            train_set, ctx, config.batch_size, seed=config.seed, sampler=train_sampler,
+            num_workers=config.num_workers, drop_last=config.drop_last,
+        )  # fmt: skip
+        self.eval_loader = None if eval_set is None else prepare_loader(
+            eval_set, ctx, config.batch_size, evaluation=True, num_workers=config.num_workers,
+        )  # fmt: skip
+        self.amp_dtype = AMP_DTYPES[config.precision]
+        self.scaler = torch.amp.GradScaler(ctx.device.type) if config.precision == "fp16" else None
+        self.callbacks = list(callbacks)
+        if config.early_stopping_patience is not None:
+            self.callbacks.append(
+                EarlyStopping(config.early_stopping_metric, config.early_stopping_patience)
             )
-        )
         self.log_fn = log_fn or _print
         self.epoch = 0  # the next epoch to run
         self.global_step = 0
+        self.should_stop = False
         self.last_checkpoint: Path | None = None
+        # Shards of unequal length are possible only with a sampler or dataset that is
+        # not ours; then DDP's Join keeps the ranks' collectives matched.
+        self._uneven = ctx.distributed and not isinstance(
+            self.train_loader.sampler, DistributedSampler
+        )
+        if self._uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
+            raise ConfigError(
+                "a custom sampler or an IterableDataset can give ranks unequal numbers of "
+                "batches, and synchronized BatchNorm cannot take part in DDP's Join: pass "
+                "sync_batchnorm=False, or let ddpkit shard the data (no train_sampler)"
+            )
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> FitResult:
         cfg = self.config
         if cfg.resume:
             self._resume()
-        samples = 0
-        train_time = 0.0
-        loss = math.nan
+        runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
+        self._call("on_fit_start")
+        samples, train_time, loss = 0, 0.0, math.nan
         metrics: dict[str, float] = {}
-        for epoch in range(self.epoch, cfg.epochs):
-            self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
-            loss, n, seconds = self._train_epoch(epoch)
-            samples, train_time = samples + n, train_time + seconds
-            self.epoch = epoch + 1
-            metrics = self.evaluate() if self.eval_loader is not None else {}
-            self._log_epoch(epoch, loss, n / max(seconds, 1e-9), seconds, metrics)
-            last = self.epoch == cfg.epochs
-            if cfg.checkpoint_dir and (
-                last or (cfg.save_every and self.epoch % cfg.save_every == 0)
-            ):
-                self.save()
-        return FitResult(
-            epochs=self.epoch,
-            global_step=self.global_step,
-            samples_per_s=samples / train_time if train_time else 0.0,
-            final_loss=loss,
-            eval=metrics,
-            checkpoint=self.last_checkpoint,
-        )
+        try:
+            for epoch in range(self.epoch, cfg.epochs):
+                self._call("on_epoch_start", epoch)
+                self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
+                loss, n, seconds = self._train_epoch(epoch, runlog)
+                samples, train_time = samples + n, train_time + seconds
+                self.epoch = epoch + 1
+                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+                    self.scheduler.step()
+                metrics = {"loss": loss, "samples": n, "samples_per_s": n / max(seconds, 1e-9),
+                           "lr": self._lr()}  # fmt: skip
+                if self.eval_loader is not None:
+                    metrics.update(self.evaluate())
+                runlog.write("epoch", self.global_step, {"epoch": self.epoch, **metrics})
+                self._log_epoch(epoch, seconds, metrics)
+                self._call("on_epoch_end", epoch, metrics)
+                last = self.epoch == cfg.epochs or self.should_stop
+                if cfg.checkpoint_dir and (
+                    last or (cfg.save_every and self.epoch % cfg.save_every == 0)
+                ):
+                    self.save()
+                if self.should_stop:
+                    break
+        finally:
+            runlog.close()
+        result = FitResult(
+            epochs=self.epoch, global_step=self.global_step,
+            samples_per_s=samples / train_time if train_time else 0.0, final_loss=loss,
+            eval={k: v for k, v in metrics.items() if k.startswith("eval_") or k == "accuracy"},
+            checkpoint=self.last_checkpoint, stopped_early=self.should_stop,
+        )  # fmt: skip
+        self._call("on_fit_end", result)
+        return result
 
-    def _train_epoch(self, epoch: int) -> tuple[float, int, float]:
+    def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, float]:
         """One pass over this rank's shard; returns (global mean loss, global samples, s)."""
-        model, optimizer, device = self.model, self.optimizer, self.ctx.device
+        model, device, k = self.model, self.ctx.device, self.config.accumulate
         model.train()
         # Accumulate on the device: calling .item() each step would stall the GPU.
         loss_sum = torch.zeros((), device=device)
         count = 0
+        batches = _length(self.train_loader)
+        progress = self._progress(self.train_loader, epoch)
+        # Step logs cost a host sync each; keep their window only if someone reads it.
+        window = None
+        if runlog.active or self._bar is not None:
+            window = _Window(device, self.ctx.world_size)
         start = time.perf_counter()
-        for inputs, targets in self._progress(self.train_loader, epoch):
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(model(inputs), targets)
-            loss.backward()  # type: ignore[no-untyped-call]  # DDP averages the gradients across ranks here
-            optimizer.step()
-            loss_sum.add_(loss.detach(), alpha=len(targets))
-            count += len(targets)
-            self.global_step += 1
+        with self._join():
+            for i, (inputs, targets) in enumerate(progress):
+                inputs = inputs.to(device, non_blocking=True)
+                targets = targets.to(device, non_blocking=True)
+                # The last micro-batch of a group syncs gradients and steps; a short
+                # last group (at the epoch's end) is averaged over its own size.
+                first = i - i % k
+                size = k if batches is None else min(k, batches - first)
+                step_now = i - first == size - 1
+                with self._no_sync(not step_now), self._autocast():
+                    loss = self.loss_fn(model(inputs), targets)
+                self._backward(loss / size)
+                loss_sum.add_(loss.detach().float(), alpha=len(targets))
+                count += len(targets)
+                if window is not None:
+                    window.add(loss.detach(), len(targets))
+                if step_now:
+                    self._optimizer_step(window)
+                    self._after_step(window, runlog, epoch)
+            if batches is None and count and i % k != k - 1:
+                # An iterable of unknown length ended inside a group: step with it.
+                self._optimizer_step(window)
+                self._after_step(window, runlog, epoch)
         seconds = time.perf_counter() - start
-        if self.scheduler is not None:
-            self.scheduler.step()
-        # One collective for the epoch's log, run by every rank.
+        # One collective for the epoch's log, run by every rank (after Join: all here).
         total, n = reduce_sums([loss_sum, count], self.ctx)
         return total / max(n, 1), int(n), seconds
+
+    def _optimizer_step(self, window: _Window | None) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and log the true gradient
+        if self.config.clip_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+            if window is not None:
+                window.grad_norm = norm
+        elif window is not None and (self.global_step + 1) % self.config.log_every == 0:
+            grads = [p.grad.detach().float() for p in self._params if p.grad is not None]
+            if grads:
+                window.grad_norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g) for g in grads])
+                )
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None and self.config.scheduler_interval == "step":
+            self.scheduler.step()
+        self.global_step += 1
+
+    def _after_step(self, window: _Window | None, runlog: RunLog, epoch: int) -> None:
+        if self.callbacks:
+            self._call("on_step_end", self.global_step)
+        if window is None or self.global_step % self.config.log_every:
+            return
+        # One host sync per log interval, on rank 0 only: no rank waits for another.
+        values = window.flush()
+        values.update(epoch=epoch, lr=self._lr())
+        runlog.write("step", self.global_step, values)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{values['loss']:.4f}",
+                                  samples_s=f"{values['samples_per_s']:,.0f}")  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -226,8 +261,9 @@ class Trainer:
         for inputs, targets in self.eval_loader:
             inputs = inputs.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            outputs = model(inputs)
-            loss_sum += self.loss_fn(outputs, targets).float() * len(targets)
+            with self._autocast():
+                outputs = model(inputs)
+                loss_sum += self.loss_fn(outputs, targets).float() * len(targets)
             if outputs.ndim == 2 and outputs.shape[1] > 1 and not targets.is_floating_point():
                 classify = True
                 correct += (outputs.argmax(dim=1) == targets).sum()
@@ -239,6 +275,7 @@ class Trainer:
         metrics = {"eval_loss": total_loss / max(total, 1), "eval_samples": total}
         if any_classify:
             metrics["accuracy"] = total_correct / max(total, 1)
+        self._call("on_evaluate", metrics)
         return metrics
 
     # -- checkpoints ----------------------------------------------------------------
@@ -247,7 +284,8 @@ class Trainer:
             "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": None,  # no mixed precision yet: nothing to scale
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
             "epoch": self.epoch,
             "global_step": self.global_step,
             "config": self.config.to_dict(),
@@ -255,27 +293,29 @@ class Trainer:
 
     def save(self) -> Path:
         """Checkpoint now (call on every rank; rank 0 writes)."""
-        assert self.config.checkpoint_dir is not None
+        if self.config.checkpoint_dir is None:
+            raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
         self.last_checkpoint = save_checkpoint(
-            self.state_dict(),
-            self.config.checkpoint_dir,
-            self.ctx,
-            step=self.global_step,
-            keep_last=self.config.keep_last,
-        )
+            self.state_dict(), self.config.checkpoint_dir, self.ctx,
+            step=self.global_step, keep_last=self.config.keep_last,
+        )  # fmt: skip
+        self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
 
     def _resume(self) -> None:
         assert self.config.checkpoint_dir is not None
         found = latest_checkpoint(self.config.checkpoint_dir, self.ctx)
         if found is None:
-            self._say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
+            self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
             return
         path, state = found
         load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
+        for name, part in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+            if part is not None and state.get(name) is not None:
+                part.load_state_dict(state[name])
+        for cb, cb_state in zip(self.callbacks, state.get("callbacks") or [], strict=False):
+            cb.load_state_dict(cb_state)
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         rngs = state.get("rng") or []
         if len(rngs) == self.ctx.world_size:
@@ -284,33 +324,59 @@ class Trainer:
             log.warning(
                 "checkpoint was written by %d rank(s), this job has %d: random state is "
                 "not restored, so the run will not repeat the uninterrupted one exactly",
-                len(rngs),
-                self.ctx.world_size,
-            )
+                len(rngs), self.ctx.world_size,
+            )  # fmt: skip
         self.last_checkpoint = path
-        self._say(f"resumed from {path} at epoch {self.epoch + 1} (step {self.global_step})")
+        self.say(f"resumed from {path} at epoch {self.epoch + 1} (step {self.global_step})")
+
+    # -- pieces of a step -------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward()  # type: ignore[no-untyped-call]  # DDP averages gradients here
+
+    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager[Any]:
+        """DDP's no_sync on all micro-batches of a group but the last: one all-reduce
+        per optimizer step instead of one per micro-batch."""
+        ddp = unwrap_ddp(self.model)
+        return ddp.no_sync() if skip and ddp is not None else contextlib.nullcontext()
+
+    def _join(self) -> contextlib.AbstractContextManager[Any]:
+        ddp = unwrap_ddp(self.model)
+        if self._uneven and ddp is not None:
+            return Join([ddp])
+        return contextlib.nullcontext()
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
 
     # -- output (rank 0 only; never wraps a collective) ------------------------------
-    def _say(self, text: str) -> None:
+    def say(self, text: str) -> None:
         if self.ctx.is_main:
             self.log_fn(text)
 
-    def _log_epoch(
-        self, epoch: int, loss: float, rate: float, seconds: float, metrics: dict[str, float]
-    ) -> None:
-        parts = [
-            f"epoch {epoch + 1}/{self.config.epochs}",
-            f"loss {loss:.4f}",
-            f"{rate:,.0f} samples/s",
-            f"{seconds:.2f}s",
-        ]
+    def _log_epoch(self, epoch: int, seconds: float, metrics: dict[str, float]) -> None:
+        parts = [f"epoch {epoch + 1}/{self.config.epochs}", f"loss {metrics['loss']:.4f}",
+                 f"{metrics['samples_per_s']:,.0f} samples/s", f"{seconds:.2f}s"]  # fmt: skip
         if "eval_loss" in metrics:
             parts.append(f"eval_loss {metrics['eval_loss']:.4f}")
         if "accuracy" in metrics:
             parts.append(f"accuracy {metrics['accuracy']:.2%}")
-        self._say(" | ".join(parts))
+        self.say(" | ".join(parts))
+
+    _bar: Any = None
 
     def _progress(self, loader: Iterable[Any], epoch: int) -> Iterable[Any]:
+        self._bar = None
         show = self.config.progress
         if show is None:
             show = sys.stdout.isatty()
@@ -320,8 +386,52 @@ class Trainer:
             from tqdm import tqdm
         except ImportError:  # the bar is a nicety: pip install 'ddpkit[progress]'
             return loader
-        bar = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
-        return cast(Iterable[Any], bar)
+        self._bar = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
+        return cast(Iterable[Any], self._bar)
+
+
+class _Window:
+    """Loss, samples and time since the last step log, kept on the device. Step logs
+    are rank 0's own numbers (no collective); samples/s assumes equal shards."""
+
+    def __init__(self, device: torch.device, world_size: int) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.world_size = world_size
+        self.samples = 0
+        self.start = time.perf_counter()
+        self.grad_norm: torch.Tensor | None = None
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        self.loss.add_(loss.float(), alpha=n)
+        self.samples += n
+
+    def flush(self) -> dict[str, Any]:
+        now = time.perf_counter()
+        values: dict[str, Any] = {
+            "loss": float(self.loss) / max(self.samples, 1),
+            "samples_per_s": self.samples * self.world_size / max(now - self.start, 1e-9),
+            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+        }
+        self.loss.zero_()
+        self.samples, self.start, self.grad_norm = 0, now, None
+        return values
+
+
+def unwrap_ddp(model: nn.Module) -> DDP | None:
+    """The DDP wrapper inside `model` (under torch.compile too), or None."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DDP) else None
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:  # an IterableDataset without __len__
+        return None
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _print(text: str) -> None:
