@@ -1,0 +1,56 @@
+"""`ddpkit plot`: PNG charts (loss, eval metrics, throughput) of one or more training runs."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+HELP = "draw loss, eval and throughput charts (PNG) of one or more run folders"
+_DEFAULT_MULTI_OUT = "plots"
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "plot",
+        help=HELP,
+        description=(
+            f"{HELP}. Each RUN_DIR holds the metrics.jsonl a training run wrote; several runs "
+            "are overlaid on the same axes. Writes loss.png, eval.png (when the runs have eval "
+            "metrics such as accuracy) and throughput.png. Needs matplotlib: "
+            "pip install 'ddpkit[plot]'."
+        ),
+    )
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder with metrics.jsonl")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help=f"folder for the PNGs (default: the run folder, or ./{_DEFAULT_MULTI_OUT} for "
+        "several runs)",
+    )
+    p.add_argument(
+        "--label",
+        dest="labels",
+        metavar="NAME",
+        nargs="+",
+        action="extend",
+        help="legend name of each run, one per RUN_DIR in order (default: the folder's name)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpkit.plot import plot_runs
+
+    logging.basicConfig(level=logging.WARNING, format="ddpkit: warning: %(message)s")
+    run_dirs: list[str] = args.run_dirs
+    if args.out is not None:
+        out = Path(args.out)
+    elif len(run_dirs) == 1:
+        out = Path(run_dirs[0])
+    else:
+        out = Path(_DEFAULT_MULTI_OUT)
+    for path in plot_runs(run_dirs, out, labels=args.labels):
+        print(path)
+    return 0
