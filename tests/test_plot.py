@@ -28,13 +28,32 @@ def _records(speed: float, epochs: int = 3, steps_per_epoch: int = 20) -> list[d
             elapsed += 256 / speed
             loss = 2.3 * math.exp(-step / 15) + 0.05
             if step % 5 == 0:
-                lines.append({"kind": "step", "step": step, "epoch": epoch, "time": elapsed,
-                              "loss": loss, "lr": 0.001, "grad_norm": 1.5,
-                              "samples_per_s": speed})  # fmt: skip
-        lines.append({"kind": "epoch", "step": step, "epoch": epoch + 1, "time": elapsed,
-                      "loss": loss, "lr": 0.001, "samples_per_s": speed,
-                      "eval_loss": loss * 1.1, "eval_samples": 360,
-                      "accuracy": 1 - 0.5 / (epoch + 1)})  # fmt: skip
+                lines.append(
+                    {
+                        "kind": "step",
+                        "step": step,
+                        "epoch": epoch,
+                        "time": elapsed,
+                        "loss": loss,
+                        "lr": 0.001,
+                        "grad_norm": 1.5,
+                        "samples_per_s": speed,
+                    }
+                )
+        lines.append(
+            {
+                "kind": "epoch",
+                "step": step,
+                "epoch": epoch + 1,
+                "time": elapsed,
+                "loss": loss,
+                "lr": 0.001,
+                "samples_per_s": speed,
+                "eval_loss": loss * 1.1,
+                "eval_samples": 360,
+                "accuracy": 1 - 0.5 / (epoch + 1),
+            }
+        )
     return lines
 
 
@@ -68,12 +87,15 @@ def _one_error_line(proc: Any, *needles: str) -> None:
 
 
 def test_read_metrics_keeps_step_and_epoch_records_in_order(tmp_path: Path) -> None:
-    run = _write_run(tmp_path / "run", [
-        {"kind": "step", "step": 1, "loss": 0.5, "future_field": [1, 2]},
-        {"kind": "checkpoint", "step": 1, "path": "ckpt.pt"},  # unknown kind: ignored
-        "",
-        {"kind": "epoch", "step": 2, "epoch": 1, "loss": None, "accuracy": 0.5},
-    ])  # fmt: skip
+    run = _write_run(
+        tmp_path / "run",
+        [
+            {"kind": "step", "step": 1, "loss": 0.5, "future_field": [1, 2]},
+            {"kind": "checkpoint", "step": 1, "path": "ckpt.pt"},  # unknown kind: ignored
+            "",
+            {"kind": "epoch", "step": 2, "epoch": 1, "loss": None, "accuracy": 0.5},
+        ],
+    )
     records = read_metrics(run)
     assert [r["kind"] for r in records] == ["step", "epoch"]
     assert records[0]["future_field"] == [1, 2] and records[1]["loss"] is None
@@ -157,12 +179,15 @@ def test_eval_chart_is_skipped_without_eval_metrics(tmp_path: Path) -> None:
 
 def test_sparse_and_odd_values_still_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    run = _write_run(tmp_path / "run", [
-        {"kind": "step", "step": 1, "loss": 0.9},  # no time, no throughput
-        {"kind": "step", "step": 2, "loss": None, "samples_per_s": "fast"},
-        {"kind": "step", "step": 3, "loss": float("nan"), "time": True},
-        {"kind": "epoch", "epoch": 1, "accuracy": 0.4},  # no step
-    ])  # fmt: skip
+    run = _write_run(
+        tmp_path / "run",
+        [
+            {"kind": "step", "step": 1, "loss": 0.9},  # no time, no throughput
+            {"kind": "step", "step": 2, "loss": None, "samples_per_s": "fast"},
+            {"kind": "step", "step": 3, "loss": float("nan"), "time": True},
+            {"kind": "epoch", "epoch": 1, "accuracy": 0.4},  # no step
+        ],
+    )
     written = plot_runs([run], tmp_path / "out")
     assert [p.name for p in written] == ["loss.png", "eval.png"]
     for path in written:
@@ -184,8 +209,18 @@ def test_cli_overlays_two_runs_with_labels_into_out(tmp_path: Path) -> None:
     slow = _write_run(tmp_path / "nproc2", _records(15_000.0))
     fast = _write_run(tmp_path / "nproc4", _records(27_000.0, epochs=4))
     out = tmp_path / "compare"
-    proc = run_cli("plot", str(slow), str(fast), "--out", str(out), "--label", "2 ranks",
-                   "--label", "4 ranks", timeout=120)  # fmt: skip
+    proc = run_cli(
+        "plot",
+        str(slow),
+        str(fast),
+        "--out",
+        str(out),
+        "--label",
+        "2 ranks",
+        "--label",
+        "4 ranks",
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [str(out / name) for name in CHARTS]
     single = plot_runs([slow], tmp_path / "single")
@@ -242,7 +277,5 @@ def test_time_of_a_resumed_run_continues_where_it_stopped() -> None:
 
     times = [1.0, 2.0, None, 3.0, 0.5, 1.5, 0.2]  # resumed after 3.0 s, then after 1.5 s
     records = [{"kind": "step", "step": i, "time": t} for i, t in enumerate(times)]
-    assert [r["time"] for r in _continuous_time(records)] == [
-        1.0, 2.0, None, 3.0, 3.5, 4.5, 4.7
-    ]  # fmt: skip
+    assert [r["time"] for r in _continuous_time(records)] == [1.0, 2.0, None, 3.0, 3.5, 4.5, 4.7]
     assert records[4]["time"] == 0.5  # the caller's records are left as they were

@@ -13,10 +13,11 @@ from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, DistContext, launch
 from ddpkit.checkpoint import model_digest
+from ddpkit.config import TrainConfig
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.seed import seed_everything
 from ddpkit.syncbn import SyncBatchNorm
-from ddpkit.trainer import TrainConfig, Trainer
+from ddpkit.trainer import Trainer
 
 
 def _bn_net() -> nn.Module:

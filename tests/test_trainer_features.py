@@ -16,8 +16,9 @@ from torch.utils.data import Sampler, TensorDataset
 from ddpkit import DistContext, launch
 from ddpkit.callbacks import Callback
 from ddpkit.checkpoint import latest_checkpoint, model_digest
+from ddpkit.config import TrainConfig
 from ddpkit.seed import seed_everything
-from ddpkit.trainer import TrainConfig, Trainer
+from ddpkit.trainer import Trainer
 
 
 def _data(n: int = 96) -> TensorDataset:

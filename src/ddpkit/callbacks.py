@@ -42,8 +42,13 @@ class EarlyStopping(Callback):
     `mode="auto"`, metrics named like accuracy are maximised, the others minimised.
     """
 
-    def __init__(self, monitor: str = "eval_loss", patience: int = 3, min_delta: float = 0.0,
-                 mode: str = "auto") -> None:  # fmt: skip
+    def __init__(
+        self,
+        monitor: str = "eval_loss",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+    ) -> None:
         if patience < 1:
             raise ConfigError(f"patience must be >= 1 (got {patience})")
         if mode not in ("auto", "min", "max"):
@@ -62,8 +67,11 @@ class EarlyStopping(Callback):
                 f"(it has: {', '.join(sorted(metrics))}): choose one of those"
             )
         value = metrics[self.monitor]
-        better = (value < self.best - self.min_delta if self.mode == "min"
-                  else value > self.best + self.min_delta)  # fmt: skip
+        better = (
+            value < self.best - self.min_delta
+            if self.mode == "min"
+            else value > self.best + self.min_delta
+        )
         if better:
             self.best, self.bad_epochs = value, 0
             return

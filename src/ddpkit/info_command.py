@@ -35,8 +35,14 @@ def gather() -> dict[str, Any]:
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)
-            gpus.append({"index": i, "name": props.name, "memory_gib": round(total / 2**30, 1),
-                         "free_gib": round(free / 2**30, 1)})  # fmt: skip
+            gpus.append(
+                {
+                    "index": i,
+                    "name": props.name,
+                    "memory_gib": round(total / 2**30, 1),
+                    "free_gib": round(free / 2**30, 1),
+                }
+            )
             if free < _BUSY_FREE_SHARE * total:
                 problems.append(
                     f"GPU {i} has only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free: another "
@@ -56,8 +62,10 @@ def gather() -> dict[str, Any]:
         port_ok = True
     except OSError as exc:
         port_ok = False
-        problems.append(f"cannot bind a free port on 127.0.0.1 ({exc.strerror}): no local "
-                        "rendezvous is possible")  # fmt: skip
+        problems.append(
+            f"cannot bind a free port on 127.0.0.1 ({exc.strerror}): no local "
+            "rendezvous is possible"
+        )
     backend = resolve_backend("auto")
     return {
         "ddpkit": __version__,

@@ -30,9 +30,11 @@ DEFAULT_HANG_TIMEOUT = 300.0
 
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
-        "run", help=HELP, description=HELP,
+        "run",
+        help=HELP,
+        description=HELP,
         usage="ddpkit run [options] (SCRIPT | -m MODULE) [ARGS ...]",
-    )  # fmt: skip
+    )
     p.add_argument(
         "--nproc",
         default="auto",
@@ -64,7 +66,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=run)  # fmt: skip
+    p.set_defaults(func=run)
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
@@ -209,13 +211,27 @@ def run(args: argparse.Namespace) -> int:
     os.environ.update(env)
     run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
     torchrun_args = [
-        "--nnodes", str(args.nnodes), "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id,
-        "--rdzv-conf", f"is_host=false,join_timeout={int(args.rdzv_timeout)}",
-        "--max-restarts", str(args.max_restarts), "--monitor-interval", "0.1",
+        "--nnodes",
+        str(args.nnodes),
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{host}:{port}",
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"is_host=false,join_timeout={int(args.rdzv_timeout)}",
+        "--max-restarts",
+        str(args.max_restarts),
+        "--monitor-interval",
+        "0.1",
         *(["--local-addr", "127.0.0.1"] if local else []),
-        "--module", "ddpkit._shim", *command,
-    ]  # fmt: skip
+        "--module",
+        "ddpkit._shim",
+        *command,
+    ]
     try:
         return _supervise(torchrun_args, status, args.hang_timeout, nproc if single else None)
     finally:
@@ -276,9 +292,12 @@ def _supervise(
     except SignalException as exc:
         if watch is not None and watch.hang is not None:
             hang = watch.hang
-            print(f"{hang.summary(world_size)}\n\n{hang.stacks()}\n\nddpkit: stopped the hung "
-                  f"job (exit status {HANG_EXIT}); the summary is above the stacks",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"{hang.summary(world_size)}\n\n{hang.stacks()}\n\nddpkit: stopped the hung "
+                f"job (exit status {HANG_EXIT}); the summary is above the stacks",
+                file=sys.stderr,
+                flush=True,
+            )
             return HANG_EXIT
         print(f"ddpkit: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
         return 128 + int(exc.sigval)
@@ -302,8 +321,10 @@ def _crash_report(exc: Any, folder: Path) -> str:
     code = failure.exitcode
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     if err:
-        return (f"ddpkit: rank {rank} failed first: {err['exc_type']}: {err['message']}\n"
-                f"{err['traceback'].rstrip()}\n"
-                f"ddpkit: the job failed: rank {rank} raised {err['exc_type']} and {how}; "
-                "the other ranks were stopped")  # fmt: skip
+        return (
+            f"ddpkit: rank {rank} failed first: {err['exc_type']}: {err['message']}\n"
+            f"{err['traceback'].rstrip()}\n"
+            f"ddpkit: the job failed: rank {rank} raised {err['exc_type']} and {how}; "
+            "the other ranks were stopped"
+        )
     return f"ddpkit: the job failed: rank {rank} {how}; the other ranks were stopped"

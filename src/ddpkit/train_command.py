@@ -25,17 +25,32 @@ def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("train", help=HELP, description=HELP)
     job = p.add_mutually_exclusive_group()
     job.add_argument("--example", help="built-in job: digits (the default) or seed")
-    job.add_argument("--job", metavar="MODULE:FUNCTION",
-                     help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)")  # fmt: skip
+    job.add_argument(
+        "--job",
+        metavar="MODULE:FUNCTION",
+        help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)",
+    )
     p.add_argument("--config", metavar="FILE.toml", help="TrainConfig options from a TOML file")
-    p.add_argument("--nproc", default="auto",
-                   help="processes: 'auto' = one per GPU, else one per CPU core (default)")  # fmt: skip
-    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                   help="auto = nccl on GPUs, gloo on CPU")  # fmt: skip
-    p.add_argument("--hang-timeout", type=float, default=300.0,
-                   help="stop and diagnose the job when no rank progresses this long (0: off)")  # fmt: skip
-    p.add_argument("--json", action="store_true",
-                   help="print the result as one JSON object on the last line")  # fmt: skip
+    p.add_argument(
+        "--nproc",
+        default="auto",
+        help="processes: 'auto' = one per GPU, else one per CPU core (default)",
+    )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "gloo", "nccl"),
+        help="auto = nccl on GPUs, gloo on CPU",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=300.0,
+        help="stop and diagnose the job when no rank progresses this long (0: off)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the result as one JSON object on the last line"
+    )
     options = p.add_argument_group("training options (TrainConfig; flags win over --config)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -45,11 +60,13 @@ def add_parser(sub: Any) -> None:
         if f.default is not None:
             help_ += f" (default: {f.default})"
         if kind is bool:
-            options.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                 help=help_)  # fmt: skip
+            options.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
         else:
-            options.add_argument(flag, type=kind, default=None, help=help_,
-                                 choices=_CHOICES.get(f.name))  # fmt: skip
+            options.add_argument(
+                flag, type=kind, default=None, help=help_, choices=_CHOICES.get(f.name)
+            )
     p.set_defaults(func=run)
 
 
@@ -85,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
         if config.resume:
             latest_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
     result = launch(
-        train_worker, job_name, bool(args.job), config, nprocs=nproc,
+        train_worker,
+        job_name,
+        bool(args.job),
+        config,
+        nprocs=nproc,
         backend=backend,  # type: ignore[arg-type]
         hang_timeout=args.hang_timeout,
-    )  # fmt: skip
+    )
     if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
         if os.environ["RANK"] != "0":
             return 0
@@ -120,9 +141,15 @@ def train_worker(ctx: Any, job_name: str, user_job: bool, config: Any) -> dict[s
     build = load_job(job_name)[0] if user_job else example_module(job_name).build
     job = build(ctx)
     trainer = Trainer(
-        job.model, job.optimizer, job.train_set, ctx, config,
-        loss_fn=job.loss_fn, eval_set=job.eval_set, scheduler=job.scheduler,
-    )  # fmt: skip
+        job.model,
+        job.optimizer,
+        job.train_set,
+        ctx,
+        config,
+        loss_fn=job.loss_fn,
+        eval_set=job.eval_set,
+        scheduler=job.scheduler,
+    )
     fit = trainer.fit()
     return {
         "example": job_name,

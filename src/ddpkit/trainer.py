@@ -79,9 +79,11 @@ class Trainer:
         self.ctx = ctx
         self.config = config = config or TrainConfig()
         self.model = prepare_model(
-            model, ctx, sync_batchnorm=config.sync_batchnorm,
+            model,
+            ctx,
+            sync_batchnorm=config.sync_batchnorm,
             find_unused_parameters=config.find_unused_parameters,
-        )  # fmt: skip
+        )
         if config.compile:
             # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
             # bucket boundaries, so communication still overlaps the backward pass.
@@ -91,12 +93,25 @@ class Trainer:
         self.scheduler = scheduler
         self.loss_fn = loss_fn
         self.train_loader = prepare_loader(
-            train_set, ctx, config.batch_size, seed=config.seed, sampler=train_sampler,
-            num_workers=config.num_workers, drop_last=config.drop_last,
-        )  # fmt: skip
-        self.eval_loader = None if eval_set is None else prepare_loader(
-            eval_set, ctx, config.batch_size, evaluation=True, num_workers=config.num_workers,
-        )  # fmt: skip
+            train_set,
+            ctx,
+            config.batch_size,
+            seed=config.seed,
+            sampler=train_sampler,
+            num_workers=config.num_workers,
+            drop_last=config.drop_last,
+        )
+        self.eval_loader = (
+            None
+            if eval_set is None
+            else prepare_loader(
+                eval_set,
+                ctx,
+                config.batch_size,
+                evaluation=True,
+                num_workers=config.num_workers,
+            )
+        )
         self.amp_dtype = AMP_DTYPES[config.precision]
         self.scaler = torch.amp.GradScaler(ctx.device.type) if config.precision == "fp16" else None
         self.callbacks = list(callbacks)
@@ -139,8 +154,12 @@ class Trainer:
                 self.epoch = epoch + 1
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
-                metrics = {"loss": loss, "samples": n, "samples_per_s": n / max(seconds, 1e-9),
-                           "lr": self._lr()}  # fmt: skip
+                metrics = {
+                    "loss": loss,
+                    "samples": n,
+                    "samples_per_s": n / max(seconds, 1e-9),
+                    "lr": self._lr(),
+                }
                 if self.eval_loader is not None:
                     metrics.update(self.evaluate())
                 runlog.write("epoch", self.global_step, {"epoch": self.epoch, **metrics})
@@ -156,11 +175,14 @@ class Trainer:
         finally:
             runlog.close()
         result = FitResult(
-            epochs=self.epoch, global_step=self.global_step,
-            samples_per_s=samples / train_time if train_time else 0.0, final_loss=loss,
+            epochs=self.epoch,
+            global_step=self.global_step,
+            samples_per_s=samples / train_time if train_time else 0.0,
+            final_loss=loss,
             eval={k: v for k, v in metrics.items() if k.startswith("eval_") or k == "accuracy"},
-            checkpoint=self.last_checkpoint, stopped_early=self.should_stop,
-        )  # fmt: skip
+            checkpoint=self.last_checkpoint,
+            stopped_early=self.should_stop,
+        )
         self._call("on_fit_end", result)
         return result
 
@@ -239,8 +261,9 @@ class Trainer:
         values.update(epoch=epoch, lr=self._lr())
         runlog.write("step", self.global_step, values)
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{values['loss']:.4f}",
-                                  samples_s=f"{values['samples_per_s']:,.0f}")  # fmt: skip
+            self._bar.set_postfix(
+                loss=f"{values['loss']:.4f}", samples_s=f"{values['samples_per_s']:,.0f}"
+            )
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -296,9 +319,12 @@ class Trainer:
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
         self.last_checkpoint = save_checkpoint(
-            self.state_dict(), self.config.checkpoint_dir, self.ctx,
-            step=self.global_step, keep_last=self.config.keep_last,
-        )  # fmt: skip
+            self.state_dict(),
+            self.config.checkpoint_dir,
+            self.ctx,
+            step=self.global_step,
+            keep_last=self.config.keep_last,
+        )
         self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
 
@@ -324,8 +350,9 @@ class Trainer:
             log.warning(
                 "checkpoint was written by %d rank(s), this job has %d: random state is "
                 "not restored, so the run will not repeat the uninterrupted one exactly",
-                len(rngs), self.ctx.world_size,
-            )  # fmt: skip
+                len(rngs),
+                self.ctx.world_size,
+            )
         self.last_checkpoint = path
         self.say(f"resumed from {path} at epoch {self.epoch + 1} (step {self.global_step})")
 
@@ -365,8 +392,12 @@ class Trainer:
             self.log_fn(text)
 
     def _log_epoch(self, epoch: int, seconds: float, metrics: dict[str, float]) -> None:
-        parts = [f"epoch {epoch + 1}/{self.config.epochs}", f"loss {metrics['loss']:.4f}",
-                 f"{metrics['samples_per_s']:,.0f} samples/s", f"{seconds:.2f}s"]  # fmt: skip
+        parts = [
+            f"epoch {epoch + 1}/{self.config.epochs}",
+            f"loss {metrics['loss']:.4f}",
+            f"{metrics['samples_per_s']:,.0f} samples/s",
+            f"{seconds:.2f}s",
+        ]
         if "eval_loss" in metrics:
             parts.append(f"eval_loss {metrics['eval_loss']:.4f}")
         if "accuracy" in metrics:

@@ -25,16 +25,35 @@ from typing import Any
 
 # The collectives of torch.distributed that every rank of a group must call.
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
-    "all_to_all", "all_to_all_single", "barrier", "monitored_barrier", "broadcast",
-    "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "scatter", "scatter_object_list",
-)  # fmt: skip
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+)
 
 _OWN_FILES = (__file__, "torch/distributed/", "multiprocessing/", "threading.py", "runpy.py")
 # Frames of the machinery that starts a worker: left out of the stacks we show.
-_PLUMBING = (__file__, "multiprocessing/", "runpy", "<string>", "ddpkit/launcher.py",
-             "ddpkit/_shim.py")  # fmt: skip
+_PLUMBING = (
+    __file__,
+    "multiprocessing/",
+    "runpy",
+    "<string>",
+    "ddpkit/launcher.py",
+    "ddpkit/_shim.py",
+)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -129,16 +148,19 @@ class Watchdog:
         if tuple(signature) != self._signature:
             self._signature = tuple(signature)
             self._progress = now
-        write_json(self.path, {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "progress": self._progress,
-            "sampled": now,
-            "where": describe(_user_frame(frame)),
-            "collective": self.tracker.current,
-            "collectives_done": self.tracker.count - (1 if self.tracker.current else 0),
-            "stack": _format_stack(frame),
-        })  # fmt: skip
+        write_json(
+            self.path,
+            {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "progress": self._progress,
+                "sampled": now,
+                "where": describe(_user_frame(frame)),
+                "collective": self.tracker.current,
+                "collectives_done": self.tracker.count - (1 if self.tracker.current else 0),
+                "stack": _format_stack(frame),
+            },
+        )
 
 
 def _format_stack(frame: FrameType | None) -> list[str]:
@@ -160,10 +182,13 @@ def _format_exception(exc: BaseException) -> str:
 def record_error(folder: Path, rank: int, exc: BaseException) -> None:
     """Leave this rank's exception for the supervisor's crash report."""
     with contextlib.suppress(OSError):
-        write_json(folder / f"rank{rank}.error.json", {
-            "rank": rank,
-            "time": time.time(),
-            "exc_type": type(exc).__name__,
-            "message": str(exc),
-            "traceback": _format_exception(exc),
-        })  # fmt: skip
+        write_json(
+            folder / f"rank{rank}.error.json",
+            {
+                "rank": rank,
+                "time": time.time(),
+                "exc_type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": _format_exception(exc),
+            },
+        )
