@@ -168,13 +168,22 @@ def _init_group(
 
 
 def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
-    """One process: no spawn, but a real (size-1) group so collectives in user code work."""
+    """One process: no spawn, but a real (size-1) group so collectives in user code work.
+
+    It runs in the caller's process, so what it changes there is put back afterwards:
+    the thread count, and sys.excepthook (init_process_group prefixes it with the rank).
+    """
     device = _device_for(backend, 0)
+    threads, hook = torch.get_num_threads(), sys.excepthook
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank(1))
     _init_group(backend, 0, 1, device, timeout_s, store=HashStore())
     try:
         return fn(DistContext(0, 0, 1, 1, device, backend), *args)
     finally:
         dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        sys.excepthook = hook
 
 
 def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
