@@ -518,6 +518,7 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
         "hand-written samples/s",
         "ddpkit samples/s",
         "ratio ddpkit/hand",
+        "median of paired ratios",
         "paired ratios (min-max)",
     ]
     body = [
@@ -527,6 +528,7 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
             f"{r['hand_median']:,.0f}",
             f"{r['ddpkit_median']:,.0f}",
             f"{r['ratio']:.3f}",
+            f"{r['paired_ratio_median']:.3f}",
             f"{min(r['paired_ratios']):.2f}-{max(r['paired_ratios']):.2f}",
         ]
         for r in rows

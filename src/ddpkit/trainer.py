@@ -34,6 +34,8 @@ log = logging.getLogger("ddpkit")
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Autocast dtype of each TrainConfig.precision.
+# Steps enter a few contexts that are mostly no-ops: share one instead of making many.
+_NOTHING = contextlib.nullcontext()
 AMP_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -88,6 +90,7 @@ class Trainer:
             # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
             # bucket boundaries, so communication still overlaps the backward pass.
             self.model = cast(nn.Module, torch.compile(self.model))
+        self._ddp = unwrap_ddp(self.model)
         self.optimizer = optimizer
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.scheduler = scheduler
@@ -211,11 +214,12 @@ class Trainer:
                 step_now = i - first == size - 1
                 with self._no_sync(not step_now), self._autocast():
                     loss = self.loss_fn(model(inputs), targets)
-                self._backward(loss / size)
-                loss_sum.add_(loss.detach().float(), alpha=len(targets))
-                count += len(targets)
+                self._backward(loss / size if size > 1 else loss)
+                size_b = len(targets)
+                loss_sum.add_(loss.detach().float(), alpha=size_b)
+                count += size_b
                 if window is not None:
-                    window.add(loss.detach(), len(targets))
+                    window.add(loss.detach(), size_b)
                 if step_now:
                     self._optimizer_step(window)
                     self._after_step(window, runlog, epoch)
@@ -359,7 +363,7 @@ class Trainer:
     # -- pieces of a step -------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.amp_dtype is None:
-            return contextlib.nullcontext()
+            return _NOTHING
         return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype)
 
     def _backward(self, loss: torch.Tensor) -> None:
@@ -370,14 +374,10 @@ class Trainer:
     def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager[Any]:
         """DDP's no_sync on all micro-batches of a group but the last: one all-reduce
         per optimizer step instead of one per micro-batch."""
-        ddp = unwrap_ddp(self.model)
-        return ddp.no_sync() if skip and ddp is not None else contextlib.nullcontext()
+        return self._ddp.no_sync() if skip and self._ddp is not None else _NOTHING
 
     def _join(self) -> contextlib.AbstractContextManager[Any]:
-        ddp = unwrap_ddp(self.model)
-        if self._uneven and ddp is not None:
-            return Join([ddp])
-        return contextlib.nullcontext()
+        return Join([self._ddp]) if self._uneven and self._ddp is not None else _NOTHING
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
