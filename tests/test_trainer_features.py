@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Sampler, TensorDataset
+from torch.utils.data import IterableDataset, Sampler, TensorDataset
 
 from ddpkit import DistContext, launch
 from ddpkit.callbacks import Callback
@@ -185,3 +185,38 @@ def test_compile_wraps_after_ddp_and_checkpoints_have_plain_keys(tmp_path: Path)
     found = latest_checkpoint(tmp_path, DistContext())
     assert found is not None
     assert sorted(found[1]["model"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+class _Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A stream that shards itself: rank 0 yields 10 samples, rank 1 yields 22."""
+
+    def __init__(self, rank: int) -> None:
+        self.data = _data(32)
+        self.indices = range(10) if rank == 0 else range(10, 32)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.data[i] for i in self.indices)
+
+
+def _fit_stream(ctx: DistContext) -> list[dict[str, float]]:
+    seed_everything(0)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    record = _Record()
+    config = TrainConfig(epochs=2, batch_size=4, accumulate=2)
+    Trainer(
+        model,
+        opt,
+        _Stream(ctx.rank),
+        ctx,
+        config,
+        loss_fn=nn.functional.mse_loss,
+        callbacks=[record],
+        log_fn=lambda s: None,
+    ).fit()
+    return record.epochs
+
+
+def test_an_iterable_dataset_of_unequal_shards_trains_everything() -> None:
+    epochs = launch(_fit_stream, nprocs=2, hang_timeout=60)
+    assert [m["samples"] for m in epochs] == [32, 32]

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Sampler
 
+from ddpkit.callbacks import Callback
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.trainer import LossFn
@@ -32,6 +33,9 @@ class Job:
     loss_fn: LossFn
     eval_set: Dataset[Any] | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    # A sampler that shards by itself (ranks may get unequal numbers of batches).
+    train_sampler: Sampler[Any] | None = None
+    callbacks: list[Callback] = field(default_factory=list)
 
 
 BuildFn = Callable[[DistContext], Job]

@@ -149,6 +149,8 @@ def train_worker(ctx: Any, job_name: str, user_job: bool, config: Any) -> dict[s
         loss_fn=job.loss_fn,
         eval_set=job.eval_set,
         scheduler=job.scheduler,
+        train_sampler=job.train_sampler,
+        callbacks=job.callbacks,
     )
     fit = trainer.fit()
     return {
