@@ -490,41 +490,37 @@ class _Indexer:
         for keyword in node.keywords:
             self._visit(keyword.value)
 
+    def _ref(
+        self, node: ast.expr, name: str, is_call: bool, receiver: ast.expr | None = None
+    ) -> None:
+        """Record a mention of one of the file's own functions or methods, with context."""
+        self.index.refs.append(
+            Ref(
+                node,
+                self._scope,
+                self._guards,
+                self._loop_depth,
+                self._except_depth > 0,
+                name=name,
+                is_call=is_call,
+                receiver=receiver,
+            )
+        )
+
     def _name(self, node: ast.Name, is_call: bool = False) -> None:
         if type(node.ctx) is not ast.Load:
             return
         name = node.id
         self._seen.add(name)
         if name in self._func_names:
-            self.index.refs.append(
-                Ref(
-                    node,
-                    self._scope,
-                    self._guards,
-                    self._loop_depth,
-                    self._except_depth > 0,
-                    name=name,
-                    is_call=is_call,
-                )
-            )
+            self._ref(node, name, is_call)
 
     def _attribute(self, node: ast.Attribute, is_call: bool = False) -> None:
         name = node.attr
         if type(node.ctx) is ast.Load:
             self._seen.add(name)
             if name in self._method_names:
-                self.index.refs.append(
-                    Ref(
-                        node,
-                        self._scope,
-                        self._guards,
-                        self._loop_depth,
-                        self._except_depth > 0,
-                        name=name,
-                        is_call=is_call,
-                        receiver=node.value,
-                    )
-                )
+                self._ref(node, name, is_call, receiver=node.value)
         value = node.value
         if type(value) is ast.Name:  # `self.x`, `dist.barrier`: skip the dispatch
             self._name(value)
