@@ -41,11 +41,3 @@ def reduce_sum(value: Number, ctx: DistContext) -> float:
 def reduce_mean(value: Number, ctx: DistContext) -> float:
     """The mean of `value` over all ranks (each rank weighs the same)."""
     return reduce_sum(value, ctx) / ctx.world_size
-
-
-def reduce_weighted_mean(value: Number, weight: Number, ctx: DistContext) -> float:
-    """sum(value * weight) / sum(weight) over ranks: e.g. a loss averaged over samples
-    when ranks hold different numbers of samples."""
-    w = float(weight) if not isinstance(weight, torch.Tensor) else weight
-    total, count = reduce_sums([value * w, w], ctx)
-    return total / count if count else float("nan")

@@ -169,11 +169,11 @@ def _patch_agent_store(loopback: bool) -> None:
 
 
 def _thread_env(nproc: int) -> dict[str, str]:
-    from ddpkit.launcher import cpu_count
+    from ddpkit.launcher import threads_per_rank
 
     env: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(max(1, cpu_count() // nproc))
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     return env
 
 

@@ -1,37 +1,14 @@
-"""The rules, one module each, in code order. Codes are stable: never renumber."""
+"""The rules, one module each (`ddpNNN.py`), in code order. Codes are stable: never renumber."""
 
 from __future__ import annotations
 
-from ddpkit.check.rules import (
-    ddp101,
-    ddp102,
-    ddp103,
-    ddp104,
-    ddp105,
-    ddp106,
-    ddp107,
-    ddp108,
-    ddp109,
-    ddp110,
-    ddp111,
-)
+import importlib
+
 from ddpkit.check.rules.base import Hit, Rule
 
+_CODES = range(101, 112)  # DDP101 .. DDP111
 RULES: tuple[Rule, ...] = tuple(
-    m.RULE
-    for m in (
-        ddp101,
-        ddp102,
-        ddp103,
-        ddp104,
-        ddp105,
-        ddp106,
-        ddp107,
-        ddp108,
-        ddp109,
-        ddp110,
-        ddp111,
-    )
+    importlib.import_module(f"ddpkit.check.rules.ddp{code}").RULE for code in _CODES
 )
 RULES_BY_CODE: dict[str, Rule] = {rule.code: rule for rule in RULES}
 
