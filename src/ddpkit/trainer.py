@@ -227,6 +227,8 @@ class Trainer:
                 # An iterable of unknown length ended inside a group: step with it.
                 self._optimizer_step(window)
                 self._after_step(window, runlog, epoch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - start
         # One collective for the epoch's log, run by every rank (after Join: all here).
         total, n = reduce_sums([loss_sum, count], self.ctx)

@@ -1,0 +1,67 @@
+"""How busy other processes keep the machine: benchmarks on a shared machine are only as
+good as the share of the CPUs that others took meanwhile (`foreign_load`)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+
+from tutorial import threads_for
+
+BUSY_LIMIT = 0.10  # a run is "contended" when other processes used more of the machine
+
+
+def _machine_busy_s() -> float | None:
+    """CPU seconds every process of the machine has used since boot (Linux only)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+    return (sum(ticks[:3]) + sum(ticks[5:8])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_busy_s() -> float:
+    """CPU seconds of this process and of its finished (reaped) children."""
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class LoadMeter:
+    """The share of the machine's CPU that *other* processes used since `start()`:
+    benchmarks on a shared machine are only as good as this number is small."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self._t, self._busy, self._own = time.perf_counter(), _machine_busy_s(), _own_busy_s()
+
+    def foreign(self) -> float | None:
+        busy = _machine_busy_s()
+        if busy is None or self._busy is None:
+            return None
+        seconds = (time.perf_counter() - self._t) * threads_for(1)
+        other = (busy - self._busy) - (_own_busy_s() - self._own)
+        return max(0.0, other) / seconds if seconds > 0 else None
+
+
+def settle(max_s: float, say: Callable[[str], None]) -> None:
+    """Wait (at most `max_s`) until other processes leave the CPUs nearly idle."""
+    deadline = time.monotonic() + max_s
+    meter, told = LoadMeter(), False
+    while time.monotonic() < deadline:
+        meter.start()
+        time.sleep(1.0)
+        load = meter.foreign()
+        if load is None or load < BUSY_LIMIT:
+            return
+        if not told:
+            say(f"  waiting for other processes to leave the CPUs ({load:.0%} busy)...")
+            told = True
