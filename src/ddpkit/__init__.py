@@ -38,6 +38,8 @@ _EXPORTS = {
     "EarlyStopping": "ddpkit.callbacks",
     "FitResult": "ddpkit.trainer",
     "Job": "ddpkit.job",
+    "verify": "ddpkit.verification",
+    "VerifyReport": "ddpkit.verification",
 }
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "SyncBatchNorm",
     "TrainConfig",
     "Trainer",
+    "VerifyReport",
     "WorkerError",
     "__version__",
     "convert_sync_batchnorm",
@@ -67,6 +70,7 @@ __all__ = [
     "save_checkpoint",
     "seed_everything",
     "unwrap",
+    "verify",
 ]
 
 if TYPE_CHECKING:
@@ -83,6 +87,7 @@ if TYPE_CHECKING:
     from ddpkit.seed import seed_everything
     from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
     from ddpkit.trainer import FitResult, Trainer
+    from ddpkit.verification import VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:

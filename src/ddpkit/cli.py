@@ -17,7 +17,7 @@ from ddpkit.errors import DdpkitError, HangError, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddpkit import info_command, plot_command, run_command, train_command
+    from ddpkit import info_command, plot_command, run_command, train_command, verify_command
     from ddpkit.check.command import add_parser as add_check_parser
 
     parser = argparse.ArgumentParser(
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     info_command.add_parser(sub)
     add_check_parser(sub)
     plot_command.add_parser(sub)
+    verify_command.add_parser(sub)
     return parser
 
 

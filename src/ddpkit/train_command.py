@@ -23,14 +23,7 @@ _CHOICES = {"precision": PRECISIONS, "scheduler_interval": ("epoch", "step")}
 
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("train", help=HELP, description=HELP)
-    job = p.add_mutually_exclusive_group()
-    job.add_argument("--example", help="built-in job: digits (the default) or seed")
-    job.add_argument(
-        "--job",
-        metavar="MODULE:FUNCTION",
-        help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)",
-    )
-    p.add_argument("--config", metavar="FILE.toml", help="TrainConfig options from a TOML file")
+    add_job_flags(p)
     p.add_argument(
         "--nproc",
         default="auto",
@@ -51,9 +44,29 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--json", action="store_true", help="print the result as one JSON object on the last line"
     )
+    add_config_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """--example / --job and --config: which job, with which TrainConfig file."""
+    job = p.add_mutually_exclusive_group()
+    job.add_argument("--example", help="built-in job: digits (the default) or seed")
+    job.add_argument(
+        "--job",
+        metavar="MODULE:FUNCTION",
+        help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TrainConfig options from a TOML file")
+
+
+def add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field but `skip`, with the field's help; None if not given."""
     options = p.add_argument_group("training options (TrainConfig; flags win over --config)")
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
         kind = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
@@ -67,7 +80,6 @@ def add_parser(sub: Any) -> None:
             options.add_argument(
                 flag, type=kind, default=None, help=help_, choices=_CHOICES.get(f.name)
             )
-    p.set_defaults(func=run)
 
 
 def _base_type(hint: Any) -> Any:
@@ -79,23 +91,13 @@ def _base_type(hint: Any) -> Any:
 def run(args: argparse.Namespace) -> int:
     # torch is imported here, not at module level, so `ddpkit --help` stays fast.
     from ddpkit.checkpoint import check_writable, latest_checkpoint
-    from ddpkit.config_file import load_config_file, load_job, merge_config
     from ddpkit.context import DistContext
-    from ddpkit.job import example_module
     from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
 
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
-    if args.job:
-        _, defaults = load_job(args.job)  # fail here, not in every worker
-        job_name = args.job
-    else:
-        job_name = args.example or "digits"
-        defaults = dict(example_module(job_name).DEFAULTS)
+    job_name, config = job_and_config(args)
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)
-    from_file = load_config_file(args.config) if args.config else {}
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    config = TrainConfig(**merge_config(defaults, from_file, flags))
     # Check what can be checked before any process starts, so bad input costs nothing.
     if config.checkpoint_dir is not None:
         check_writable(config.checkpoint_dir)
@@ -127,6 +129,23 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     return 0
+
+
+def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
+    """The job the flags name (an example's name or a MODULE:FUNCTION spec) and its
+    TrainConfig: the job's DEFAULTS, then --config's file, then the flags."""
+    from ddpkit.config_file import load_config_file, load_job, merge_config
+    from ddpkit.job import example_module
+
+    if args.job:
+        _, defaults = load_job(args.job)  # fail here, not in every worker
+        job_name = args.job
+    else:
+        job_name = args.example or "digits"
+        defaults = dict(example_module(job_name).DEFAULTS)
+    from_file = load_config_file(args.config) if args.config else {}
+    flags = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(TrainConfig)}
+    return job_name, TrainConfig(**merge_config(defaults, from_file, flags))
 
 
 def train_worker(ctx: Any, job_name: str, user_job: bool, config: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import sys
@@ -123,7 +124,8 @@ class Trainer:
                 EarlyStopping(config.early_stopping_metric, config.early_stopping_patience)
             )
         self.log_fn = log_fn or _print
-        self.epoch = 0  # the next epoch to run
+        self.epoch = 0  # the epoch running, or the next one to run
+        self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
         self.should_stop = False
         self.last_checkpoint: Path | None = None
@@ -154,7 +156,7 @@ class Trainer:
                 self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
                 loss, n, seconds = self._train_epoch(epoch, runlog)
                 samples, train_time = samples + n, train_time + seconds
-                self.epoch = epoch + 1
+                self.epoch, self.batch = epoch + 1, 0
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
                 metrics = {
@@ -197,14 +199,20 @@ class Trainer:
         loss_sum = torch.zeros((), device=device)
         count = 0
         batches = _length(self.train_loader)
-        progress = self._progress(self.train_loader, epoch)
+        # Resumed from a checkpoint written mid-epoch: skip the batches it had trained
+        # (they are still loaded, so the loader and its workers stay in step).
+        skip = self.batch
+        loader: Iterable[Any] = self.train_loader
+        if skip:
+            loader = itertools.islice(self.train_loader, skip, None)
+        progress = self._progress(loader, epoch, None if batches is None else batches - skip)
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
         if runlog.active or self._bar is not None:
             window = _Window(device, self.ctx.world_size)
         start = time.perf_counter()
         with self._join():
-            for i, (inputs, targets) in enumerate(progress):
+            for i, (inputs, targets) in enumerate(progress, start=skip):
                 inputs = inputs.to(device, non_blocking=True)
                 targets = targets.to(device, non_blocking=True)
                 # The last micro-batch of a group syncs gradients and steps; a short
@@ -221,6 +229,7 @@ class Trainer:
                 if window is not None:
                     window.add(loss.detach(), size_b)
                 if step_now:
+                    self.batch = i + 1
                     self._optimizer_step(window)
                     self._after_step(window, runlog, epoch)
             if batches is None and count and i % k != k - 1:
@@ -316,6 +325,7 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "epoch": self.epoch,
+            "batch": self.batch,
             "global_step": self.global_step,
             "config": self.config.to_dict(),
         }
@@ -349,6 +359,7 @@ class Trainer:
         for cb, cb_state in zip(self.callbacks, state.get("callbacks") or [], strict=False):
             cb.load_state_dict(cb_state)
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self.batch = int(state.get("batch", 0))
         rngs = state.get("rng") or []
         if len(rngs) == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank])
@@ -360,7 +371,8 @@ class Trainer:
                 self.ctx.world_size,
             )
         self.last_checkpoint = path
-        self.say(f"resumed from {path} at epoch {self.epoch + 1} (step {self.global_step})")
+        where = f" after batch {self.batch}" if self.batch else ""
+        self.say(f"resumed from {path} at epoch {self.epoch + 1}{where} (step {self.global_step})")
 
     # -- pieces of a step -------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -408,7 +420,7 @@ class Trainer:
 
     _bar: Any = None
 
-    def _progress(self, loader: Iterable[Any], epoch: int) -> Iterable[Any]:
+    def _progress(self, loader: Iterable[Any], epoch: int, total: int | None) -> Iterable[Any]:
         self._bar = None
         show = self.config.progress
         if show is None:
@@ -419,7 +431,9 @@ class Trainer:
             from tqdm import tqdm
         except ImportError:  # the bar is a nicety: pip install 'ddpkit[progress]'
             return loader
-        self._bar = tqdm(loader, desc=f"epoch {epoch + 1}", leave=False, dynamic_ncols=True)
+        self._bar = tqdm(
+            loader, desc=f"epoch {epoch + 1}", total=total, leave=False, dynamic_ncols=True
+        )
         return cast(Iterable[Any], self._bar)
 
 

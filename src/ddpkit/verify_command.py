@@ -1,0 +1,83 @@
+"""`ddpkit verify`: prove that the distributed job computes what one process computes
+(and, with --resume, that a resumed run is bit-for-bit the uninterrupted one)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ddpkit.train_command import add_config_flags, add_job_flags
+
+# Options that verify sets itself (it runs --steps steps, writes no files, logs nothing).
+_NOT_FOR_VERIFY = (
+    "epochs",
+    "save_every",
+    "checkpoint_dir",
+    "resume",
+    "keep_last",
+    "run_dir",
+    "log_every",
+    "early_stopping_patience",
+    "early_stopping_metric",
+    "progress",
+)
+HELP = "check that N ranks compute what 1 process computes, or that resume is exact"
+
+
+def add_parser(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "verify",
+        help=HELP,
+        description=(
+            "Equivalence (the default): run the job for --steps optimizer steps as --nproc "
+            "processes with --batch-size each and as one process with the global batch, "
+            "in the same data order, and compare every parameter and buffer after each "
+            "step. --resume: run the steps straight, and half + checkpoint + resume in a "
+            "fresh launch + half, and require bit-for-bit equal state. CPU and gloo only. "
+            "Exit status 0 for PASS, 1 for FAIL."
+        ),
+    )
+    add_job_flags(p)
+    p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps to run (default 8)")
+    p.add_argument(
+        "--resume",
+        dest="check_resume",  # not TrainConfig.resume
+        action="store_true",
+        help="check that resuming is exact instead",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float64", "float32"),
+        default="float64",
+        help="equivalence: promote model and data to float64 (default), or compare in float32",
+    )
+    p.add_argument("--atol", type=float, help="absolute tolerance (float64: 1e-9, float32: 1e-5)")
+    p.add_argument("--rtol", type=float, help="relative tolerance (float64: 1e-7, float32: 1e-4)")
+    p.add_argument(
+        "--json", action="store_true", help="print the report as one JSON object on the last line"
+    )
+    add_config_flags(p, skip=_NOT_FOR_VERIFY)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpkit.train_command import job_and_config
+    from ddpkit.verification import verify
+
+    job, config = job_and_config(args)
+    report = verify(
+        job,
+        config,
+        nproc=args.nproc,
+        steps=args.steps,
+        resume=args.check_resume,
+        dtype=args.dtype,
+        atol=args.atol,
+        rtol=args.rtol,
+    )
+    print(report, flush=True)
+    if args.json:
+        print(json.dumps(report.to_dict()), flush=True)
+    return 0 if report.passed else 1

@@ -1,0 +1,102 @@
+"""`ddpkit verify`: the built-in examples pass both checks; jobs broken in the ways DDP
+jobs silently break fail with the right cause; near misses pass. Real processes, gloo."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ddpkit
+from ddpkit.errors import ConfigError
+from tests import verify_jobs
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("example", ["seed", "digits"])
+@pytest.mark.parametrize("check", [[], ["--resume"]], ids=["equivalence", "resume"])
+def test_the_examples_pass(example: str, check: list[str]) -> None:
+    proc = run_cli("verify", "--example", example, "--steps", "6", "--json", *check)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("PASS")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["passed"] and report["causes"] == [] and report["nproc"] == 2
+    if not check:  # equivalence was compared after every step, within tolerance
+        assert len(report["max_abs_diff"]) == 7 and max(report["tolerance_used"]) <= 1
+
+
+def _fails_with(report: ddpkit.VerifyReport, *words: str) -> None:
+    assert not report.passed, str(report)
+    text = " ".join(report.causes)
+    assert all(w in text for w in words), str(report)
+
+
+def test_unsynchronised_batchnorm_is_named() -> None:
+    config = ddpkit.TrainConfig(batch_size=16, sync_batchnorm=False)
+    report = ddpkit.verify(verify_jobs.batchnorm, config, steps=3)
+    _fails_with(report, "BatchNorm not synchronised")
+    assert report.first_divergence is not None and report.first_divergence["step"] == 1
+    # The near miss: the same job with ddpkit's default SyncBatchNorm.
+    assert ddpkit.verify(verify_jobs.batchnorm, ddpkit.TrainConfig(batch_size=16), steps=3).passed
+
+
+def test_a_summed_loss_is_named() -> None:
+    report = ddpkit.verify(verify_jobs.summed_loss, ddpkit.TrainConfig(batch_size=16), steps=3)
+    _fails_with(report, "gradient not averaged", "summed over the batch")
+    assert report.first_divergence is not None
+    assert report.first_divergence["update_ratio"] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_dropout_seeded_with_the_rank_is_named() -> None:
+    config = ddpkit.TrainConfig(batch_size=16)
+    report = ddpkit.verify(verify_jobs.rank_seeded_dropout, config, steps=3)
+    _fails_with(report, "randomness differs between ranks", "1 Dropout")
+    near_miss = ddpkit.verify(verify_jobs.dropout, config, steps=3)
+    assert near_miss.passed, str(near_miss)
+    assert "Dropout layer(s) switched off" in " ".join(near_miss.notes)
+
+
+def test_data_every_rank_reads_whole_is_named() -> None:
+    report = ddpkit.verify(verify_jobs.unsharded, ddpkit.TrainConfig(batch_size=16), steps=2)
+    _fails_with(report, "data is not sharded", "256 samples")
+
+
+def test_a_scheduler_left_out_of_the_checkpoint_is_named(tmp_path: object) -> None:
+    config = ddpkit.TrainConfig(batch_size=16)
+    report = ddpkit.verify(verify_jobs.hidden_scheduler, config, steps=6, resume=True)
+    _fails_with(report, "learning rate after resume")
+    assert any("optimizer.param_groups.0.lr" in d for d in report.differences), str(report)
+    near_miss = ddpkit.verify(verify_jobs.scheduler, config, steps=6, resume=True)
+    assert near_miss.passed, str(near_miss)
+
+
+def test_a_failing_job_exits_1_with_the_report() -> None:
+    proc = run_cli("verify", "--job", "tests/verify_jobs.py:summed_loss", "--steps", "2", cwd=ROOT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("FAIL") and "likely cause: gradient not averaged" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--nproc", "1"], "N >= 2 processes"),
+        (["--resume", "--steps", "1"], "steps must be >= 2"),
+        (["--atol", "-1"], "atol and rtol must be >= 0"),
+        (["--example", "nope"], "unknown example"),
+    ],
+)
+def test_bad_input_is_one_line(args: list[str], words: str) -> None:
+    proc = (
+        run_cli("verify", "--example", "seed", *args)
+        if "--example" not in args
+        else run_cli("verify", *args)
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1 and words in proc.stderr, proc.stderr
+
+
+def test_the_python_api_rejects_one_process() -> None:
+    with pytest.raises(ConfigError, match="N >= 2"):
+        ddpkit.verify("seed", nproc=1)
