@@ -85,8 +85,8 @@ class VerifyReport:
             )
         else:
             what = (
-                f"{self.steps} steps straight vs {self.steps // 2} + resume + "
-                f"{self.steps - self.steps // 2}, {self.nproc} processes, bit for bit"
+                f"{self.steps} steps straight vs {resume_cut(self.steps)} + resume + "
+                f"{self.steps - resume_cut(self.steps)}, {self.nproc} processes, bit for bit"
             )
         lines = [f"{verdict}  {self.check}: {what}"]
         if self.max_abs_diff:
@@ -624,6 +624,14 @@ def _ranks_disagree(ranks: list[dict[str, Any]], step: int, params_only: bool) -
 
 
 # -- resume -----------------------------------------------------------------------------
+def resume_cut(steps: int) -> int:
+    """Where the resume check stops and resumes: about half way, at an odd step, so that
+    state the checkpoint misses cannot hide behind a period that divides the cut (a
+    StepLR of step_size 2 restarted at step 4 happens to keep the same learning rates)."""
+    half = steps // 2
+    return half if half % 2 or half + 1 >= steps else half + 1
+
+
 class _StopAt(Callback):
     def __init__(self, step: int, save: bool = False) -> None:
         self.step, self.save = step, save
@@ -650,7 +658,7 @@ def _resume_rank(
             trainer = _trainer(ctx, built, config, [_StopAt(steps)])
         elif phase == "first-half":
             half = replace(config, checkpoint_dir=checkpoints)
-            trainer = _trainer(ctx, built, half, [_StopAt(steps // 2, save=True)])
+            trainer = _trainer(ctx, built, half, [_StopAt(resume_cut(steps), save=True)])
         else:
             again = replace(config, checkpoint_dir=checkpoints, resume=True)
             trainer = _trainer(ctx, built, again, [_StopAt(steps)])
