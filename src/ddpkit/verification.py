@@ -155,7 +155,9 @@ def check_equivalence(
     rtol = TOLERANCES[dtype][1] if rtol is None else rtol
     if not (atol >= 0 and rtol >= 0):
         raise ConfigError(f"atol and rtol must be >= 0 (got {atol}, {rtol}): pass --atol 1e-6")
-    config = replace(config, epochs=steps)  # each epoch has a step: K steps fit
+    precision = config.precision
+    # Autocast would round both runs to 16 bits and hide what this check looks for.
+    config = replace(config, epochs=steps, precision="32")  # each epoch has a step
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         folder = Path(tmp)
         launch(
@@ -196,6 +198,8 @@ def check_equivalence(
         max_abs_diff=compared["max_abs"],
         tolerance_used=compared["used"],
     )
+    if precision != "32":
+        report.notes.append(f"precision {precision} compared without autocast, in {dtype}")
     _diagnose_equivalence(report, ranks, compared)
     report.passed = report.first_divergence is None and not report.causes
     return report
