@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ddpkit.train_command import add_config_flags, add_job_flags
@@ -67,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.verification import verify
 
     job, config = job_and_config(args)
+    check = "exact resume" if args.check_resume else "equivalence with one process"
+    print(
+        f"ddpkit: verifying {job} ({check}, {args.nproc} processes, {args.steps} steps)...",
+        file=sys.stderr,
+        flush=True,
+    )
     report = verify(
         job,
         config,
