@@ -23,7 +23,7 @@ import hashlib
 import json
 import math
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
@@ -48,7 +48,10 @@ DEFAULT_STEPS = 8
 # by the learning rate over the gradient's scale, so allow some room.
 TOLERANCES = {"float64": (1e-9, 1e-7), "float32": (1e-5, 1e-4)}  # (atol, rtol)
 MAX_LISTED = 6  # differences listed per rank
-JobRef = BuildFn | str  # a build function, or a built-in example / MODULE:FUNCTION spec
+JobRef = BuildFn | str
+LogFn = (
+    Callable[[str], None] | None
+)  # a build function, or a built-in example / MODULE:FUNCTION spec
 
 
 @dataclass
@@ -119,13 +122,14 @@ def verify(
     dtype: str = "float64",
     atol: float | None = None,
     rtol: float | None = None,
+    log_fn: LogFn = None,
 ) -> VerifyReport:
     """`ddpkit verify` from Python: `check_equivalence`, or with `resume=True`
     `check_resume` (which ignores dtype and tolerances: it asks for equal bits)."""
     if resume:
-        return check_resume(job, config, nproc=nproc, steps=steps)
+        return check_resume(job, config, nproc=nproc, steps=steps, log_fn=log_fn)
     return check_equivalence(
-        job, config, nproc=nproc, steps=steps, dtype=dtype, atol=atol, rtol=rtol
+        job, config, nproc=nproc, steps=steps, dtype=dtype, atol=atol, rtol=rtol, log_fn=log_fn
     )
 
 
@@ -138,6 +142,7 @@ def check_equivalence(
     dtype: str = "float64",
     atol: float | None = None,
     rtol: float | None = None,
+    log_fn: LogFn = None,
 ) -> VerifyReport:
     """Does `job` on `nproc` ranks with `config.batch_size` each compute what one process
     computes with the global batch? `job` is a module-level `build(ctx) -> Job` (it is
@@ -147,7 +152,7 @@ def check_equivalence(
     near 1e-16 and cannot pass for a bug: in float32, Adam turns the rounding noise of a
     gradient that should be zero (a bias before BatchNorm) into steps of the learning
     rate. `dtype="float32"` compares the job as it trains. `atol`/`rtol` default to
-    TOLERANCES[dtype]."""
+    TOLERANCES[dtype]. `log_fn` hears what runs (the command line prints it)."""
     config = _check_args(config, nproc, steps, minimum=1)
     if dtype not in TOLERANCES:
         raise ConfigError(f"dtype must be float64 or float32 (got {dtype!r})")
@@ -158,8 +163,10 @@ def check_equivalence(
     precision = config.precision
     # Autocast would round both runs to 16 bits and hide what this check looks for.
     config = replace(config, epochs=steps, precision="32")  # each epoch has a step
+    say = log_fn or _silent
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         folder = Path(tmp)
+        say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
         launch(
             _equivalence_rank, job, config, steps, dtype, str(folder), nprocs=nproc, backend="gloo"
         )
@@ -171,6 +178,7 @@ def check_equivalence(
                 "with ddpkit's own sharding (no train_sampler)"
             )
         union = _union_orders([r["orders"] for r in ranks], config.batch_size)
+        say(f"the same {steps} steps on 1 process, batch {nproc * config.batch_size}...")
         compared = launch(
             _reference_rank,
             job,
@@ -206,7 +214,12 @@ def check_equivalence(
 
 
 def check_resume(
-    job: JobRef, config: TrainConfig | None = None, *, nproc: int = 2, steps: int = DEFAULT_STEPS
+    job: JobRef,
+    config: TrainConfig | None = None,
+    *,
+    nproc: int = 2,
+    steps: int = DEFAULT_STEPS,
+    log_fn: LogFn = None,
 ) -> VerifyReport:
     """Is K/2 steps + checkpoint + resume in a fresh launch + K/2 steps bit-for-bit the
     same as K steps straight, on every rank (model, optimizer, scheduler, RNG)?"""
@@ -214,7 +227,12 @@ def check_resume(
     config = replace(config, epochs=steps, save_every=0)
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         # The straight run and the first half share a launch; the resume gets its own.
-        for phases in (("straight", "first-half"), ("resumed",)):
+        cut = resume_cut(steps)
+        for phases, what in (
+            (("straight", "first-half"), f"{steps} steps, then {cut} steps + checkpoint"),
+            (("resumed",), f"a fresh launch: resume + {steps - cut} steps"),
+        ):
+            (log_fn or _silent)(f"{what} on {nproc} processes...")
             launch(_resume_rank, job, config, steps, tmp, phases, nprocs=nproc, backend="gloo")
         report = VerifyReport(
             "resume", passed=True, nproc=nproc, steps=steps, batch_size=config.batch_size
@@ -306,7 +324,7 @@ def _trainer(
         scheduler=job.scheduler,
         train_sampler=sampler if sampler is not None else job.train_sampler,
         callbacks=[*job.callbacks, *callbacks],  # ours last: they may stop the run
-        log_fn=lambda _: None,
+        log_fn=_silent,
     )
 
 
@@ -331,6 +349,10 @@ def _promote(item: Any) -> Any:
     if isinstance(item, dict):
         return {k: _promote(v) for k, v in item.items()}
     return item
+
+
+def _silent(_: str) -> None:
+    pass
 
 
 class _Stop(Exception):

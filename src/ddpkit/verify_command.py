@@ -68,12 +68,6 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.verification import verify
 
     job, config = job_and_config(args)
-    check = "exact resume" if args.check_resume else "equivalence with one process"
-    print(
-        f"ddpkit: verifying {job} ({check}, {args.nproc} processes, {args.steps} steps)...",
-        file=sys.stderr,
-        flush=True,
-    )
     report = verify(
         job,
         config,
@@ -83,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         atol=args.atol,
         rtol=args.rtol,
+        log_fn=lambda text: print(f"ddpkit: {text}", file=sys.stderr, flush=True),
     )
     print(report, flush=True)
     if args.json:
