@@ -77,10 +77,3 @@ def hidden_scheduler(ctx: ddpkit.DistContext) -> ddpkit.Job:
     scheduler = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=2, gamma=0.5)
     job.callbacks = [_StepScheduler(scheduler)]
     return job
-
-
-def scheduler(ctx: ddpkit.DistContext) -> ddpkit.Job:
-    """The near miss: the same scheduler, given to ddpkit (stepped per step)."""
-    job = _job(ctx, nn.Linear(20, 1))
-    job.scheduler = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=2, gamma=0.5)
-    return job

@@ -1,0 +1,208 @@
+"""The benchmark scripts: bench/peers.py's arithmetic and tables (no processes), a smoke
+run of one small cell, and bench/gpu_check.sh's CPU-side steps.
+
+Accelerate and Lightning Fabric are not needed (CI does not install the `bench` extra):
+the smoke run has only the hand-written loop and ddpkit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT
+
+BENCH = ROOT / "bench"
+
+
+@pytest.fixture(scope="module")
+def peers() -> Iterator[ModuleType]:
+    # bench/ is a folder of scripts that import each other by name, not a package.
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("peers")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _run(n: int, who: str, rnd: int, rate: float, digest: str = "A", world: int = 0) -> Any:
+    return {
+        "workload": "seed",
+        "nprocs": n,
+        "repeat": 0,
+        "round": rnd,
+        "contestant": who,
+        "samples_per_s": rate,
+        "model_digest": digest,
+        "world_size": world or n,
+        "ddp": n > 1 or who == "hand",
+        "ranks_agree": True,
+        "foreign_load": 0.0,
+    }
+
+
+def _start(n: int, who: str, first_step_s: float, rss: list[float]) -> Any:
+    return {
+        "workload": "seed",
+        "nprocs": n,
+        "repeat": 0,
+        "contestant": who,
+        "first_step_s": first_step_s,
+        "peak_rss_mb": rss,
+        "world_sizes": [n] * len(rss),
+        "foreign_load": 0.0,
+    }
+
+
+RATES = {  # (nprocs, contestant) -> samples/s in rounds 0 and 1
+    (1, "hand"): (100.0, 120.0),
+    (1, "ddpkit"): (150.0, 130.0),
+    (1, "accelerate"): (90.0, 110.0),
+    (1, "fabric"): (140.0, 160.0),
+    (2, "hand"): (60.0, 60.0),
+    (2, "ddpkit"): (66.0, 66.0),
+    (2, "accelerate"): (30.0, 30.0),
+    (2, "fabric"): (75.0, 75.0),
+}
+# hand, ddpkit and fabric (with two ranks) share the data order: the same model.
+DIGESTS = {(1, "accelerate"): "B", (1, "fabric"): "B", (2, "accelerate"): "C"}
+
+
+def _made_up() -> tuple[list[Any], list[Any]]:
+    runs = [
+        _run(n, who, rnd, rate, DIGESTS.get((n, who), "A"), world=1 if who == "fabric" else 0)
+        for (n, who), rates in RATES.items()
+        for rnd, rate in enumerate(rates)
+    ]
+    starts = [
+        _start(1, "hand", 3.0, [300.0]),
+        _start(1, "ddpkit", 2.0, [290.0]),
+        _start(1, "accelerate", 3.5, [310.0]),
+        _start(1, "fabric", 2.2, [305.0]),
+        _start(2, "hand", 3.4, [300.0, 302.0]),
+        _start(2, "ddpkit", 3.3, [296.0, 298.0]),
+        _start(2, "accelerate", 3.2, [310.0, 309.0]),
+        _start(2, "fabric", 4.4, [320.0, 312.0]),
+    ]
+    return runs, starts
+
+
+def test_peers_summary_ratios_scaling_and_targets(peers: ModuleType) -> None:
+    runs, starts = _made_up()
+    rows = peers.summarize(runs, starts)
+    assert [(r["workload"], r["nprocs"]) for r in rows] == [("seed", 1), ("seed", 2)]
+    one, two = (r["contestants"] for r in rows)
+    assert one["hand"]["median"] == 110.0 and one["ddpkit"]["median"] == 140.0
+    assert one["ddpkit"]["ratio_to_hand"] == pytest.approx(140 / 110)
+    assert one["hand"]["ratio_to_hand"] == 1.0
+    vs = rows[0]["ddpkit_vs"]
+    assert vs["accelerate"]["ratio"] == pytest.approx(1.4)
+    assert vs["fabric"]["ratio"] == pytest.approx(140 / 150)
+    assert vs["hand"]["paired_ratios"] == pytest.approx([1.5, 130 / 120])  # same round
+    assert vs["fabric"]["first_step_ratio"] == pytest.approx(2.0 / 2.2)
+    assert two["fabric"]["peak_rss_median"] == 320.0  # the largest rank
+    assert one["ddpkit"]["same_model_as_hand"] and not one["fabric"]["same_model_as_hand"]
+    assert two["fabric"]["same_model_as_hand"] and not two["accelerate"]["same_model_as_hand"]
+
+    scale = {s["workload"]: s["efficiency"] for s in peers.scaling(rows)}
+    assert scale["seed"]["ddpkit"] == pytest.approx(66 / (2 * 140))
+    assert scale["seed"]["hand"] == pytest.approx(60 / (2 * 110))
+
+    verdicts = {(t["row"], t["target"]): t["met"] for t in peers.targets(rows)}
+    assert verdicts[("seed/1", "samples/s vs hand")]
+    assert not verdicts[("seed/1", "samples/s vs fabric")]  # 140 < 150
+    assert verdicts[("seed/1", "first step vs fabric")]  # 2.0 s < 2.2 s
+    assert not verdicts[("seed/2", "first step vs accelerate")]  # 3.3 s > 3.2 s
+    assert verdicts[("seed/2", "samples/s vs hand")]  # 1.1 >= 0.98
+
+    # fabric with two ranks reported a world size of 1: the checks say so
+    problems = peers.check_lines(rows)
+    assert problems == ["seed/2 fabric: saw world size(s) [1, 2], not 2"]
+
+    text = peers.report(rows, peers.scaling(rows), peers.targets(rows), markdown=True)
+    assert (
+        "| seed | 1 | 110 | 140 (1.27) | 100 (0.91) | 150 (1.36) | 1.273 | 1.400 | 0.933 |" in text
+    )
+    assert "| seed | ddpkit | 1 | 2.00 | 1.00 | 290 |" in text
+    assert "- seed/1 samples/s vs fabric: 0.933 (need >= 1.0) MISSED" in text
+
+
+def test_peers_names_the_extra_when_accelerate_is_missing(
+    peers: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = peers.importlib.util.find_spec
+    monkeypatch.setattr(
+        peers.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "accelerate" else real(name, *a),
+    )
+    with pytest.raises(SystemExit) as exc:
+        peers.parse_args([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert 'accelerate not installed: pip install -c constraints.txt -e ".[bench]"' in err
+    assert "--contestants hand,ddpkit" in err
+    # without the peers, nothing is missing
+    assert peers.parse_args(["--contestants", "hand,ddpkit"]).contestants == ["hand", "ddpkit"]
+
+
+@pytest.mark.slow
+def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    args = ["--contestants", "hand,ddpkit", "--workloads", "seed", "--nprocs", "2"]
+    args += ["--start-workloads", "seed", "--quick", "--out", str(out)]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "peers.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    hand, ours = row["contestants"]["hand"], row["contestants"]["ddpkit"]
+    for c in (hand, ours):
+        assert c["median"] > 0 and c["world_sizes"] == [2] and c["ddp"] == [True]
+        assert c["ranks_agree"] and c["first_step_median"] > 0 and c["peak_rss_median"] > 50
+    assert ours["same_model_as_hand"]  # same data order, same math: the same model
+    assert row["ddpkit_vs"]["hand"]["ratio"] == pytest.approx(ours["median"] / hand["median"])
+    assert "Checks: all contestants ran what they should" in proc.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_script_runs_its_cpu_side(tmp_path: Path) -> None:
+    env = {**os.environ, "DDPKIT_GPU_CHECK_DEVICE": "cpu", "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=ROOT,
+    )
+    out = tmp_path / "out"
+    assert proc.returncode == 0, proc.stderr + (out / "pytest.log").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] is True and summary["device"] == "cpu"
+    assert {s["status"] for s in summary["steps"].values()} == {0}
+    assert json.loads((out / "device.json").read_text())["cuda_available"] is False
+    suite = ET.parse(out / "junit.xml").getroot().find("testsuite")
+    assert suite is not None
+    # every GPU test was collected, and skipped here
+    assert int(suite.get("tests", 0)) >= 4 and suite.get("skipped") == suite.get("tests")
+    assert suite.get("failures") == suite.get("errors") == "0"
+    overhead = json.loads((out / "overhead.json").read_text())
+    assert overhead["meta"]["device"] == "cpu" and overhead["meta"]["quick"]
+    assert [r["nprocs"] for r in overhead["rows"]] == [1, 1]
+    assert all(r["same_model"] for r in overhead["rows"])
