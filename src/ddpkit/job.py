@@ -6,19 +6,21 @@ The built-in examples are jobs; so is a user's own job (`ddpkit train --job mod:
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
 from ddpkit.callbacks import Callback
+from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.trainer import LossFn
+from ddpkit.seed import seed_everything
+from ddpkit.trainer import LossFn, Trainer
 
 EXAMPLES = ("digits", "seed")
 
@@ -37,8 +39,54 @@ class Job:
     train_sampler: Sampler[Any] | None = None
     callbacks: list[Callback] = field(default_factory=list)
 
+    def trainer(
+        self,
+        ctx: DistContext,
+        config: TrainConfig,
+        *,
+        callbacks: Sequence[Callback] = (),
+        train_sampler: Sampler[Any] | None = None,
+        evaluate: bool = True,
+        log_fn: Callable[[str], None] | None = None,
+    ) -> Trainer:
+        """A Trainer for this job. `callbacks` run after the job's own; `train_sampler`
+        replaces the job's; `evaluate=False` leaves the eval set out."""
+        return Trainer(
+            self.model,
+            self.optimizer,
+            self.train_set,
+            ctx,
+            config,
+            loss_fn=self.loss_fn,
+            eval_set=self.eval_set if evaluate else None,
+            scheduler=self.scheduler,
+            train_sampler=train_sampler if train_sampler is not None else self.train_sampler,
+            callbacks=[*self.callbacks, *callbacks],
+            log_fn=log_fn,
+        )
+
 
 BuildFn = Callable[[DistContext], Job]
+JobRef = BuildFn | str  # a build function, a built-in example's name, or MODULE:FUNCTION
+
+
+def resolve_build(job: JobRef) -> BuildFn:
+    if callable(job):
+        return job
+    if job in EXAMPLES:
+        return cast(BuildFn, example_module(job).build)
+    from ddpkit.config_file import load_job  # imports user code: only when asked
+
+    return load_job(job)[0]
+
+
+def build_job(ctx: DistContext, job: JobRef, seed: int) -> Job:
+    """Seed every rank alike (so parameters and random ops start equal), then build."""
+    seed_everything(seed)
+    built = resolve_build(job)(ctx)
+    if not isinstance(built, Job):
+        raise ConfigError(f"the job's build function returned {type(built).__name__}, not a Job")
+    return built
 
 
 def example_module(name: str) -> ModuleType:

@@ -106,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
     result = launch(
         train_worker,
         job_name,
-        bool(args.job),
         config,
         nprocs=nproc,
         backend=backend,  # type: ignore[arg-type]
@@ -148,29 +147,12 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
     return job_name, TrainConfig(**merge_config(defaults, from_file, flags))
 
 
-def train_worker(ctx: Any, job_name: str, user_job: bool, config: Any) -> dict[str, Any]:
+def train_worker(ctx: Any, job_name: str, config: Any) -> dict[str, Any]:
     """Runs on every rank: build the job, train it, describe the result (rank 0's wins)."""
     from ddpkit.checkpoint import model_digest
-    from ddpkit.config_file import load_job
-    from ddpkit.job import example_module
-    from ddpkit.seed import seed_everything
-    from ddpkit.trainer import Trainer
+    from ddpkit.job import build_job
 
-    seed_everything(config.seed)
-    build = load_job(job_name)[0] if user_job else example_module(job_name).build
-    job = build(ctx)
-    trainer = Trainer(
-        job.model,
-        job.optimizer,
-        job.train_set,
-        ctx,
-        config,
-        loss_fn=job.loss_fn,
-        eval_set=job.eval_set,
-        scheduler=job.scheduler,
-        train_sampler=job.train_sampler,
-        callbacks=job.callbacks,
-    )
+    trainer = build_job(ctx, job_name, config.seed).trainer(ctx, config)
     fit = trainer.fit()
     return {
         "example": job_name,

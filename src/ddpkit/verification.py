@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,22 +36,19 @@ from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.job import EXAMPLES, BuildFn, Job, example_module
+from ddpkit.job import Job, JobRef, build_job
 from ddpkit.launcher import launch, under_torchrun
 from ddpkit.model import unwrap
-from ddpkit.seed import rng_state, seed_everything
+from ddpkit.seed import rng_state
 from ddpkit.syncbn import SyncBatchNorm
 from ddpkit.trainer import Trainer
 
 DEFAULT_STEPS = 8
-# fp32 sums in another order differ in the last bits; an optimizer step can grow that
-# by the learning rate over the gradient's scale, so allow some room.
+# Sums in another order differ in the last bits, and optimizer steps can grow that (by
+# the learning rate over the gradient's scale), so allow room above rounding.
 TOLERANCES = {"float64": (1e-9, 1e-7), "float32": (1e-5, 1e-4)}  # (atol, rtol)
 MAX_LISTED = 6  # differences listed per rank
-JobRef = BuildFn | str
-LogFn = (
-    Callable[[str], None] | None
-)  # a build function, or a built-in example / MODULE:FUNCTION spec
+LogFn = Callable[[str], None] | None
 
 
 @dataclass
@@ -275,26 +272,13 @@ def _check_args(config: TrainConfig | None, nproc: int, steps: int, minimum: int
 
 
 # -- the job, built the way `ddpkit train` builds it ------------------------------------
-def resolve_build(job: JobRef) -> BuildFn:
-    if callable(job):
-        return job
-    if job in EXAMPLES:
-        return cast(BuildFn, example_module(job).build)
-    from ddpkit.config_file import load_job
-
-    return load_job(job)[0]
-
-
 def _build(
     ctx: DistContext, job: JobRef, seed: int, *, dropout: bool, dtype: str | None = None
 ) -> tuple[Job, int]:
     """Seed every rank alike, build, and (with dropout=False) switch Dropout off: one
     process cannot draw the random masks that N ranks draw. Returns the count.
     `dtype="float64"` promotes the model and the data."""
-    seed_everything(seed)
-    built = resolve_build(job)(ctx)
-    if not isinstance(built, Job):
-        raise ConfigError(f"the job's build function returned {type(built).__name__}, not a Job")
+    built = build_job(ctx, job, seed)
     if dtype == "float64":
         # In place: the optimizer keeps pointing at the same Parameter objects.
         built.model.double()
@@ -314,17 +298,10 @@ def _trainer(
     callbacks: Sequence[Callback],
     sampler: Sampler[Any] | None = None,
 ) -> Trainer:
-    return Trainer(
-        job.model,
-        job.optimizer,
-        job.train_set,
-        ctx,
-        config,
-        loss_fn=job.loss_fn,
-        scheduler=job.scheduler,
-        train_sampler=sampler if sampler is not None else job.train_sampler,
-        callbacks=[*job.callbacks, *callbacks],  # ours last: they may stop the run
-        log_fn=_silent,
+    # Ours run after the job's callbacks (they may stop the run); no evaluation: the
+    # eval set is not promoted to float64, and it changes nothing that is compared.
+    return job.trainer(
+        ctx, config, callbacks=callbacks, train_sampler=sampler, evaluate=False, log_fn=_silent
     )
 
 
@@ -679,7 +656,7 @@ def _resume_rank(
 ) -> None:
     checkpoints = str(Path(folder, "checkpoints"))
     for phase in phases:  # each builds the job afresh, seeded as `ddpkit train` does
-        built, _ = _build(ctx, job, config.seed, dropout=True)
+        built = build_job(ctx, job, config.seed)
         if phase == "straight":
             trainer = _trainer(ctx, built, config, [_StopAt(steps)])
         elif phase == "first-half":
