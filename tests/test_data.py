@@ -107,3 +107,29 @@ def test_workers_are_seeded_per_worker_and_repeatably() -> None:
     # batches 0 and 1 come from different workers: their draws must differ
     assert a[0:2] != a[2:4]
     assert a != _draws(seed=3, epoch=1)  # a new epoch draws anew
+
+
+def test_a_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(50, 3, 4, generator=g), torch.randint(0, 5, (50,), generator=g)
+    )
+    for rank in (0, 1):
+        ctx = DistContext(rank=rank, world_size=2)
+        ours = prepare_loader(data, ctx, batch_size=8, seed=3)
+        plain = DataLoader(
+            data, batch_size=8, sampler=DistributedSampler(data, 2, rank, shuffle=True, seed=3)
+        )
+        for epoch in (0, 1):
+            ours.set_epoch(epoch)
+            plain.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+            got, want = list(ours), list(plain)
+            assert len(got) == len(want) == 4  # 25 per rank: 8, 8, 8, 1
+            for (x, y), (wx, wy) in zip(got, want, strict=True):
+                assert torch.equal(x, wx) and torch.equal(y, wy)
+                assert x.shape == wx.shape and y.dtype == wy.dtype
+    assert isinstance(ours.dataset, TensorDataset)  # still one, over the same tensors
+    assert ours.dataset.tensors[0] is data.tensors[0]

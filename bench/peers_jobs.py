@@ -1,0 +1,315 @@
+"""The contestants of `peers.py`: one job trained four ways, each the way its docs say.
+
+- `hand`: the PyTorch DDP tutorial's loop (`tutorial.py`: `DistributedSampler` +
+  `set_epoch`, `DDP(model)`), on gloo.
+- `ddpkit`: `ddpkit.Trainer(...).fit()`; on the cnn row with `sync_batchnorm=False`,
+  like the others (torch's SyncBatchNorm refuses CPU tensors, so they keep per-rank
+  BatchNorm); `ddpkit+syncbn` is ddpkit's default, synchronised BatchNorm.
+- `accelerate`: `Accelerator(cpu=True)`, `accelerator.prepare(model, optimizer,
+  loader)`, `accelerator.backward(loss)` (HuggingFace's quick tour). `cpu=True` is what
+  makes Accelerate run distributed on a machine without a GPU: without it, it sees
+  `LOCAL_RANK` but no accelerator and trains every rank alone (no gradient sync).
+- `fabric`: `Fabric(accelerator="cpu", devices=N, strategy="ddp")` (one device:
+  `strategy="auto"`), `fabric.launch()`, `fabric.setup(model, optimizer)`,
+  `fabric.setup_dataloaders(loader)`, `fabric.backward(loss)` (Lightning's docs).
+
+Every contestant trains the same model from the same seed with the same per-rank batch
+size, and is timed the same way: the summed time of the epochs' batch loops.
+
+Run as a script, this module is what one start-up launch of `peers.py` runs, started
+the way each contestant's docs start a job (the parent times it from just before it
+starts the command):
+
+    python bench/peers_jobs.py hand|ddpkit|ddpkit+syncbn|fabric WORKLOAD NPROCS OUTDIR EPOCHS
+    accelerate launch --multi_gpu --num_processes 2 bench/peers_jobs.py accelerate ...
+
+Each rank writes OUTDIR/rank<R>.json: the wall-clock time of its first optimizer step,
+its peak resident memory (`ru_maxrss`) after training, and the world size it saw.
+It imports only what its contestant needs, so import time is counted fairly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from tutorial import (
+    LOOPBACK,
+    WORKLOADS,
+    TCPStore,
+    TutorialTrainer,
+    Workload,
+    ddp_setup,
+    digest,
+    load_train_objs,
+    loss_fn,
+    prepare_dataloader,
+    threads_for,
+)
+
+CPU = torch.device("cpu")
+# Called once, right after the first optimizer step (start-up launches only).
+FirstStep = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One contestant's training run, as this rank saw it."""
+
+    contestant: str
+    round: int
+    samples: int  # global samples trained, all epochs
+    train_s: float  # summed time of the epochs' batch loops
+    wall_s: float  # the whole training call, set-up excluded
+    model_digest: str
+    world_size: int  # as the contestant's framework reports it
+    ddp: bool  # the model it trained was wrapped in DistributedDataParallel
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.train_s if self.train_s else 0.0
+
+
+Train = Callable[[Workload, int, int, FirstStep | None], Run]
+
+
+def _on_first_step(optimizer: torch.optim.Optimizer, first_step: FirstStep | None) -> None:
+    """Call `first_step` after the optimizer's first step. A hook on the bare torch
+    optimizer fires under every wrapper (Accelerate's, Fabric's) alike."""
+    if first_step is None:
+        return
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        handle.remove()
+        first_step()
+
+    handle = optimizer.register_step_post_hook(hook)
+
+
+def _has_ddp(model: nn.Module) -> bool:
+    return any(isinstance(m, DDP) for m in model.modules())
+
+
+def train_hand(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    """The tutorial's `main`, after its `ddp_setup`."""
+    dataset, model, optimizer = load_train_objs(workload)
+    _on_first_step(optimizer, first_step)
+    train_data = prepare_dataloader(dataset, workload.batch_size, pin=False)
+    trainer = TutorialTrainer(model, train_data, optimizer, dist.get_rank(), CPU, loss_fn(workload))
+    start = time.perf_counter()
+    train_s = trainer.train(workload.epochs)
+    wall_s = time.perf_counter() - start
+    samples = len(train_data.sampler) * world_size * workload.epochs  # type: ignore[arg-type]
+    return Run(
+        "hand", round, samples, train_s, wall_s, digest(model), world_size, _has_ddp(trainer.model)
+    )
+
+
+def _train_ddpkit(
+    workload: Workload, round: int, first_step: FirstStep | None, sync_batchnorm: bool
+) -> Run:
+    import ddpkit
+
+    ctx = ddpkit.DistContext.current()
+    dataset, model, optimizer = load_train_objs(workload)
+    _on_first_step(optimizer, first_step)
+    config = ddpkit.TrainConfig(
+        epochs=workload.epochs,
+        batch_size=workload.batch_size,
+        sync_batchnorm=sync_batchnorm,
+        progress=False,
+    )
+    trainer = ddpkit.Trainer(
+        model, optimizer, dataset, ctx, config, loss_fn=loss_fn(workload), log_fn=_quiet
+    )
+    start = time.perf_counter()
+    result = trainer.fit()
+    wall_s = time.perf_counter() - start
+    samples = len(trainer.train_loader.sampler) * ctx.world_size * workload.epochs  # type: ignore[arg-type]
+    train_s = samples / result.samples_per_s if result.samples_per_s else 0.0
+    name = "ddpkit+syncbn" if sync_batchnorm else "ddpkit"
+    bare = ddpkit.unwrap(trainer.model)
+    return Run(
+        name, round, samples, train_s, wall_s, digest(bare), ctx.world_size, _has_ddp(trainer.model)
+    )
+
+
+def train_ddpkit(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    """Like-for-like: per-rank BatchNorm, as the other contestants have on CPU."""
+    return _train_ddpkit(workload, round, first_step, sync_batchnorm=False)
+
+
+def train_ddpkit_syncbn(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    """ddpkit's default: BatchNorm synchronised over the ranks (ddpkit's CPU kernel)."""
+    return _train_ddpkit(workload, round, first_step, sync_batchnorm=True)
+
+
+def train_accelerate(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    # Accelerate sets its own thread count (physical cores // ranks) the first time;
+    # every contestant gets the same share instead.
+    torch.set_num_threads(threads_for(accelerator.num_processes))
+    dataset, model, optimizer = load_train_objs(workload)
+    _on_first_step(optimizer, first_step)
+    bare = model
+    loader = DataLoader(dataset, batch_size=workload.batch_size, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    criterion = loss_fn(workload)
+    train_s = 0.0
+    start = time.perf_counter()
+    for _ in range(workload.epochs):
+        t = time.perf_counter()
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(inputs), targets)
+            accelerator.backward(loss)
+            optimizer.step()
+        train_s += time.perf_counter() - t
+    wall_s = time.perf_counter() - start
+    world = accelerator.num_processes
+    samples = len(loader) * workload.batch_size * world * workload.epochs
+    return Run("accelerate", round, samples, train_s, wall_s, digest(bare), world, _has_ddp(model))
+
+
+def train_fabric(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    from lightning_fabric import Fabric
+
+    strategy = "ddp" if world_size > 1 else "auto"
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()  # from a plain `python` command this starts the other ranks
+    dataset, model, optimizer = load_train_objs(workload)
+    _on_first_step(optimizer, first_step)
+    bare = model
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(
+        DataLoader(dataset, batch_size=workload.batch_size, shuffle=True)
+    )
+    criterion = loss_fn(workload)
+    train_s = 0.0
+    start = time.perf_counter()
+    for _ in range(workload.epochs):
+        t = time.perf_counter()
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            loss = criterion(model(inputs), targets)
+            fabric.backward(loss)
+            optimizer.step()
+        train_s += time.perf_counter() - t
+    wall_s = time.perf_counter() - start
+    world = fabric.world_size
+    samples = len(loader) * workload.batch_size * world * workload.epochs
+    return Run("fabric", round, samples, train_s, wall_s, digest(bare), world, _has_ddp(model))
+
+
+TRAIN: dict[str, Train] = {
+    "hand": train_hand,
+    "ddpkit": train_ddpkit,
+    "accelerate": train_accelerate,
+    "fabric": train_fabric,
+    "ddpkit+syncbn": train_ddpkit_syncbn,
+}
+
+
+def _quiet(text: str) -> None:
+    """ddpkit's per-epoch line; the others print nothing either."""
+
+
+def quiet_peers() -> None:
+    """Accelerate and Fabric warn about thread counts and loader workers on CPU."""
+    warnings.filterwarnings("ignore", module=r"(accelerate|lightning_fabric|lightning)\b")
+    warnings.filterwarnings("ignore", message=r".*(num_workers|OMP_NUM_THREADS).*")
+
+
+# -- one start-up launch (the script) ---------------------------------------------------
+def _report(out: Path, first_step_at: float | None, world_size: int, rank: int) -> None:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    record = {
+        "rank": rank,
+        "world_size": world_size,
+        "first_step_at": first_step_at,
+        "max_rss_kb": usage.ru_maxrss,  # kilobytes on Linux
+        "pid": os.getpid(),
+    }
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _timed(contestant: str, workload: Workload, world_size: int, out: Path) -> None:
+    """Train with a clock on the first step, then write this rank's record."""
+    torch.set_num_threads(threads_for(world_size))  # every contestant alike
+    first: list[float] = []
+    run = TRAIN[contestant](workload, world_size, 0, lambda: first.append(time.time()))
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    _report(out, first[0] if first else None, run.world_size, rank)
+
+
+def _hand_rank(rank: int, world_size: int, workload: Workload, port: int, out: str) -> None:
+    """The tutorial's `main(rank, world_size, ...)`, run by `mp.spawn`."""
+    ddp_setup(rank, world_size, port)
+    try:
+        _timed("hand", workload, world_size, Path(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddpkit_rank(ctx: Any, contestant: str, workload: Workload, out: str) -> None:
+    _timed(contestant, workload, ctx.world_size, Path(out))
+
+
+def start(contestant: str, workload: Workload, nprocs: int, out: Path) -> None:
+    """One job, started the way the contestant's docs start one."""
+    if contestant == "hand":
+        import torch.multiprocessing as mp
+
+        store = TCPStore(LOOPBACK, 0, nprocs, is_master=True, wait_for_workers=False)
+        args = (nprocs, workload, store.port, str(out))
+        mp.spawn(_hand_rank, args=args, nprocs=nprocs)  # type: ignore[attr-defined,no-untyped-call]
+    elif contestant.startswith("ddpkit"):
+        import ddpkit
+
+        ddpkit.launch(_ddpkit_rank, contestant, workload, str(out), nprocs=nprocs)
+    else:  # accelerate (under `accelerate launch`) or fabric (which launches itself)
+        quiet_peers()
+        _timed(contestant, workload, nprocs, out)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 5 or argv[0] not in TRAIN or argv[1] not in WORKLOADS:
+        print(
+            f"usage: peers_jobs.py {{{','.join(TRAIN)}}} {{{','.join(WORKLOADS)}}} "
+            "NPROCS OUTDIR EPOCHS",
+            file=sys.stderr,
+        )
+        return 2
+    contestant, name, nprocs, out, epochs = argv
+    workload = replace(WORKLOADS[name], epochs=int(epochs))
+    start(contestant, workload, int(nprocs), Path(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
