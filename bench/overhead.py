@@ -7,12 +7,16 @@ count, and end with bit-identical models (checked: `same_model` in the JSON):
   `DistributedSampler` + `set_epoch`, `DDP(model)`), ported to gloo on CPU.
 - `ddpkit`: `ddpkit.Trainer(...).fit()`.
 
+Both are `peers_jobs.py`'s contestants of the same names (`peers.py` adds Accelerate
+and Lightning Fabric).
+
 Each launch starts the ranks the tutorial's way (`mp.spawn`, `init_process_group`) and
 then, in the same processes, trains with both contestants in turn: one unmeasured
 warm-up epoch each, then `--rounds` rounds of hand, ddpkit / ddpkit, hand / ... each on
-a fresh model. Sharing the processes matters on a small machine: where the OS happens to
-place a launch's threads moves a whole launch by up to 25 % (measured here with 2 ranks
-on 2 cores), and that now hits both contestants alike instead of landing on one.
+a fresh model (`peers.py`'s throughput launch, with two contestants). Sharing the
+processes matters on a small machine: where the OS happens to place a launch's threads
+moves a whole launch by up to 25 % (measured here with 2 ranks on 2 cores), and that
+now hits both contestants alike instead of landing on one.
 Launch mechanics (spawn, rendezvous, teardown) are not timed; `bench/peers.py` times
 start-up separately.
 
@@ -47,30 +51,16 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 from machine import BUSY_LIMIT, LoadMeter, settle
-from torch.distributed import destroy_process_group
-from tutorial import (
-    LOOPBACK,
-    WORKLOADS,
-    TCPStore,
-    TutorialTrainer,
-    Workload,
-    ddp_setup,
-    digest,
-    load_train_objs,
-    loss_fn,
-    prepare_dataloader,
-    threads_for,
-)
+from peers import throughput_launch
+from tutorial import WORKLOADS, Workload, threads_for
 
 import ddpkit
 
@@ -79,117 +69,6 @@ TARGET_RATIO = 0.98
 CONTESTANTS = ("hand", "ddpkit")
 OVERHEAD_WORKLOADS = ("seed", "mlp")
 QUICK_EPOCHS = {"seed": 10, "mlp": 1, "cnn": 1}
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One contestant's training run, as rank 0 saw it."""
-
-    contestant: str
-    round: int
-    samples: int  # global samples trained, all epochs
-    train_s: float  # summed time of the epochs' batch loops
-    wall_s: float  # the whole fit()/train() call
-    model_digest: str
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.train_s if self.train_s else 0.0
-
-    @property
-    def wall_samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s else 0.0
-
-
-def train_hand(workload: Workload, ctx: ddpkit.DistContext, round: int) -> Measurement:
-    dataset, model, optimizer = load_train_objs(workload)
-    train_data = prepare_dataloader(dataset, workload.batch_size, ctx.device.type == "cuda")
-    trainer = TutorialTrainer(model, train_data, optimizer, ctx.rank, ctx.device, loss_fn(workload))
-    start = time.perf_counter()
-    train_s = trainer.train(workload.epochs)
-    wall_s = time.perf_counter() - start
-    samples = len(train_data.sampler) * ctx.world_size * workload.epochs  # type: ignore[arg-type]
-    return Measurement("hand", round, samples, train_s, wall_s, digest(trainer.model.module))
-
-
-def train_ddpkit(workload: Workload, ctx: ddpkit.DistContext, round: int) -> Measurement:
-    dataset, model, optimizer = load_train_objs(workload)
-    config = ddpkit.TrainConfig(
-        epochs=workload.epochs, batch_size=workload.batch_size, progress=False
-    )
-    trainer = ddpkit.Trainer(
-        model, optimizer, dataset, ctx, config, loss_fn=loss_fn(workload), log_fn=lambda s: None
-    )
-    start = time.perf_counter()
-    result = trainer.fit()
-    wall_s = time.perf_counter() - start
-    samples = len(trainer.train_loader.sampler) * ctx.world_size * workload.epochs  # type: ignore[arg-type]
-    train_s = samples / result.samples_per_s if result.samples_per_s else 0.0
-    return Measurement(
-        "ddpkit", round, samples, train_s, wall_s, digest(ddpkit.unwrap(trainer.model))
-    )
-
-
-TRAIN: dict[str, Callable[[Workload, ddpkit.DistContext, int], Measurement]] = {
-    "hand": train_hand,
-    "ddpkit": train_ddpkit,
-}
-
-
-def worker(
-    rank: int, world_size: int, workload: Workload, rounds: int, device: str, port: int, out: str
-) -> None:
-    """One rank of a launch: the tutorial's set-up, then the contestants in turn."""
-    if "OMP_NUM_THREADS" not in os.environ:  # as ddpkit.launch does
-        torch.set_num_threads(threads_for(world_size))
-    backend = "nccl" if device == "cuda" else "gloo"
-    ddp_setup(rank, world_size, port, backend)
-    try:
-        dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-        ctx = ddpkit.DistContext(rank, rank, world_size, world_size, dev, backend)
-        for contestant in CONTESTANTS:  # warm-up: first-use costs land on no measurement
-            TRAIN[contestant](replace(workload, epochs=1), ctx, -1)
-        runs = []
-        for r in range(rounds):
-            order = CONTESTANTS if r % 2 == 0 else CONTESTANTS[::-1]
-            runs += [TRAIN[c](workload, ctx, r) for c in order]
-        if rank == 0:
-            Path(out).write_text(
-                json.dumps(
-                    [
-                        {
-                            **asdict(m),
-                            "samples_per_s": m.samples_per_s,
-                            "wall_samples_per_s": m.wall_samples_per_s,
-                        }
-                        for m in runs
-                    ]
-                )
-            )
-    finally:
-        destroy_process_group()
-
-
-def run_launch(workload: Workload, nprocs: int, rounds: int, device: str) -> list[dict[str, Any]]:
-    """One launch of `nprocs` ranks; rank 0's measurements, in run order."""
-    store = TCPStore(LOOPBACK, 0, nprocs, is_master=True, wait_for_workers=False)
-    try:
-        with tempfile.TemporaryDirectory(prefix="ddpkit-bench-") as tmp:
-            out = Path(tmp, "rank0.json")
-            args = (nprocs, workload, rounds, device, store.port, str(out))
-            note = ""
-            try:
-                mp.spawn(worker, args=args, nprocs=nprocs)  # type: ignore[attr-defined,no-untyped-call]
-            except Exception as exc:
-                if not out.exists():
-                    raise
-                # Training finished and was measured; a rank died on the way out (gloo
-                # can abort at interpreter exit): keep the measurements, note the crash.
-                note = f"crashed after training: {type(exc).__name__}: {exc}"
-            runs: list[dict[str, Any]] = json.loads(out.read_text())
-            return [{**r, "note": note} for r in runs]
-    finally:
-        del store
 
 
 def run_all(
@@ -219,7 +98,10 @@ def run_all(
                     if settle_s > 0:
                         settle(settle_s, say)
                     meter.start()
-                    launch_runs = run_launch(workload, nprocs, rounds, device)
+                    backend = "nccl" if device == "cuda" else "gloo"
+                    launch_runs = throughput_launch(
+                        workload, nprocs, list(CONTESTANTS), rounds, backend
+                    )
                     foreign = meter.foreign()
                     contended = (foreign or 0.0) >= BUSY_LIMIT
                     last = not contended or attempt == attempts - 1

@@ -121,6 +121,7 @@ def worker(
     workload: Workload,
     contestants: list[str],
     rounds: int,
+    backend: str,
     port: int,
     out: str,
 ) -> None:
@@ -129,7 +130,7 @@ def worker(
     quiet_peers()
     threads = threads_for(world_size)  # as ddpkit.launch gives each rank
     torch.set_num_threads(threads)
-    ddp_setup(rank, world_size, port)
+    ddp_setup(rank, world_size, port, backend)
     try:
         for name in contestants:  # warm-up: first-use costs land on no measurement
             TRAIN[name](replace(workload, epochs=1), world_size, -1, None)
@@ -139,9 +140,7 @@ def worker(
                 torch.set_num_threads(threads)
                 run = TRAIN[name](workload, world_size, r, None)
                 agree = _ranks_agree(run.model_digest, world_size)
-                runs.append(
-                    {**asdict(run), "samples_per_s": run.samples_per_s, "ranks_agree": agree}
-                )
+                runs.append({**run.record(), "ranks_agree": agree})
         if rank == 0:
             Path(out).write_text(json.dumps(runs))
     finally:
@@ -154,14 +153,14 @@ def worker(
 
 
 def throughput_launch(
-    workload: Workload, nprocs: int, contestants: list[str], rounds: int
+    workload: Workload, nprocs: int, contestants: list[str], rounds: int, backend: str = "gloo"
 ) -> list[dict[str, Any]]:
-    """One launch of `nprocs` ranks; rank 0's runs, in run order."""
+    """One launch of `nprocs` ranks (nccl: a GPU each); rank 0's runs, in run order."""
     store = TCPStore(LOOPBACK, 0, nprocs, is_master=True, wait_for_workers=False)
     try:
         with tempfile.TemporaryDirectory(prefix="ddpkit-peers-") as tmp:
             out = Path(tmp, "rank0.json")
-            args = (nprocs, workload, contestants, rounds, store.port, str(out))
+            args = (nprocs, workload, contestants, rounds, backend, store.port, str(out))
             note = ""
             try:
                 mp.spawn(worker, args=args, nprocs=nprocs)  # type: ignore[attr-defined,no-untyped-call]

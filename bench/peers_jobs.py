@@ -37,7 +37,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,15 @@ class Run:
     def samples_per_s(self) -> float:
         return self.samples / self.train_s if self.train_s else 0.0
 
+    def record(self) -> dict[str, Any]:
+        """The run as JSON, with its rates."""
+        wall_rate = self.samples / self.wall_s if self.wall_s else 0.0
+        return {
+            **asdict(self),
+            "samples_per_s": self.samples_per_s,
+            "wall_samples_per_s": wall_rate,
+        }
+
 
 Train = Callable[[Workload, int, int, FirstStep | None], Run]
 
@@ -106,11 +115,13 @@ def _has_ddp(model: nn.Module) -> bool:
 def train_hand(
     workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
 ) -> Run:
-    """The tutorial's `main`, after its `ddp_setup`."""
+    """The tutorial's `main`, after its `ddp_setup` (on the GPU of its rank under nccl)."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else CPU
     dataset, model, optimizer = load_train_objs(workload)
     _on_first_step(optimizer, first_step)
-    train_data = prepare_dataloader(dataset, workload.batch_size, pin=False)
-    trainer = TutorialTrainer(model, train_data, optimizer, dist.get_rank(), CPU, loss_fn(workload))
+    train_data = prepare_dataloader(dataset, workload.batch_size, pin=device.type == "cuda")
+    trainer = TutorialTrainer(model, train_data, optimizer, rank, device, loss_fn(workload))
     start = time.perf_counter()
     train_s = trainer.train(workload.epochs)
     wall_s = time.perf_counter() - start
