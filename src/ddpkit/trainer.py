@@ -331,7 +331,8 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        """Checkpoint now (call on every rank; rank 0 writes)."""
+        """Checkpoint now (call on every rank; rank 0 writes). Also mid-epoch, e.g. from
+        a callback's `on_step_end`: a resumed run then continues with the next batch."""
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
         self.last_checkpoint = save_checkpoint(
