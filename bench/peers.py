@@ -69,7 +69,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from machine import BUSY_LIMIT, LoadMeter, settle
 from peers_jobs import TRAIN, quiet_peers
-from tutorial import LOOPBACK, WORKLOADS, TCPStore, Workload, ddp_setup, threads_for
+from tutorial import (
+    LOOPBACK,
+    WORKLOADS,
+    Workload,
+    ddp_setup,
+    loopback_store,
+    threads_for,
+)
 
 import ddpkit
 
@@ -156,7 +163,7 @@ def throughput_launch(
     workload: Workload, nprocs: int, contestants: list[str], rounds: int, backend: str = "gloo"
 ) -> list[dict[str, Any]]:
     """One launch of `nprocs` ranks (nccl: a GPU each); rank 0's runs, in run order."""
-    store = TCPStore(LOOPBACK, 0, nprocs, is_master=True, wait_for_workers=False)
+    store = loopback_store(nprocs)
     try:
         with tempfile.TemporaryDirectory(prefix="ddpkit-peers-") as tmp:
             out = Path(tmp, "rank0.json")
@@ -202,6 +209,8 @@ def start_command(contestant: str, workload: Workload, nprocs: int, out: Path) -
         "no",
         "--dynamo_backend",
         "no",
+        "--main_process_ip",
+        LOOPBACK,
         "--main_process_port",
         "0",  # a free port (the default, 29500, collides with other jobs)
         *script,

@@ -47,14 +47,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from tutorial import (
-    LOOPBACK,
     WORKLOADS,
-    TCPStore,
     TutorialTrainer,
     Workload,
     ddp_setup,
     digest,
     load_train_objs,
+    loopback_store,
     loss_fn,
     prepare_dataloader,
     threads_for,
@@ -296,7 +295,7 @@ def start(contestant: str, workload: Workload, nprocs: int, out: Path) -> None:
     if contestant == "hand":
         import torch.multiprocessing as mp
 
-        store = TCPStore(LOOPBACK, 0, nprocs, is_master=True, wait_for_workers=False)
+        store = loopback_store(nprocs)
         args = (nprocs, workload, store.port, str(out))
         mp.spawn(_hand_rank, args=args, nprocs=nprocs)  # type: ignore[attr-defined,no-untyped-call]
     elif contestant.startswith("ddpkit"):

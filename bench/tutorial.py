@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +149,28 @@ def digest(model: nn.Module) -> str:
 
 
 # -- the tutorial -----------------------------------------------------------------------
+def loopback_store(world_size: int) -> Any:
+    """The rendezvous store, at a free port, listening on 127.0.0.1 only.
+
+    TCPStore listens on every interface when it opens its own socket, so it gets one
+    already bound to loopback (as `ddpkit.launcher.serve_store` does; not imported here,
+    so that the hand-written contestant's start-up does not load ddpkit).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    return TCPStore(
+        LOOPBACK,
+        port,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+
+
 def ddp_setup(rank: int, world_size: int, store_port: int, backend: str = "gloo") -> None:
     # The tutorial sets MASTER_ADDR=localhost, MASTER_PORT=12355 and uses env://; a fixed
     # port collides with any other job, so the parent holds a store on a port the OS
