@@ -7,6 +7,7 @@ import os
 import resource
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tutorial import threads_for
 
@@ -65,3 +66,14 @@ def settle(max_s: float, say: Callable[[str], None]) -> None:
         if not told:
             say(f"  waiting for other processes to leave the CPUs ({load:.0%} busy)...")
             told = True
+
+
+def warn_if_contended(records: list[dict[str, Any]], say: Callable[[str], None]) -> None:
+    """Say how many measurements other processes disturbed, if any."""
+    contended = sum((r.get("foreign_load") or 0.0) >= BUSY_LIMIT for r in records)
+    if contended:
+        say(
+            f"warning: during {contended} of {len(records)} measurements other processes "
+            f"used more than {BUSY_LIMIT:.0%} of the CPUs (foreign_load in the JSON): the "
+            "numbers are noisy; rerun on a quiet machine, or with --settle 60"
+        )

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import BUSY_LIMIT, LoadMeter, settle
+from machine import BUSY_LIMIT, LoadMeter, settle, warn_if_contended
 from peers import throughput_launch
 from tutorial import WORKLOADS, Workload, threads_for
 
@@ -339,14 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2) + "\n")
     print(header(meta))
     print(table(rows, args.markdown))
-    kept = [r for r in runs if r["kept"]]
-    contended = sum((r["foreign_load"] or 0.0) >= BUSY_LIMIT for r in kept)
-    if contended:
-        say(
-            f"warning: in {contended} of {len(kept)} runs other processes used more than "
-            f"{BUSY_LIMIT:.0%} of the CPUs (see foreign_load in the JSON): the numbers are "
-            "noisy; rerun on a quiet machine, or with --settle 60"
-        )
+    warn_if_contended([r for r in runs if r["kept"]], say)
     say(f"wrote {args.out} ({meta['elapsed_s']}s)")
     return 0
 

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from machine import BUSY_LIMIT, LoadMeter, settle
+from machine import BUSY_LIMIT, LoadMeter, settle, warn_if_contended
 from peers_jobs import TRAIN, quiet_peers
 from tutorial import (
     LOOPBACK,
@@ -773,13 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(header(meta))
     print(report(rows, scale, goals, args.markdown))
-    contended = sum((r["foreign_load"] or 0.0) >= BUSY_LIMIT for r in [*runs, *starts])
-    if contended:
-        say(
-            f"warning: during {contended} of {len(runs) + len(starts)} measurements other "
-            f"processes used more than {BUSY_LIMIT:.0%} of the CPUs (foreign_load in the "
-            "JSON): the numbers are noisy; rerun on a quiet machine, or with --settle 30"
-        )
+    warn_if_contended([*runs, *starts], say)
     say(f"wrote {args.out} ({meta['elapsed_s']}s)")
     return 0
 
