@@ -77,3 +77,35 @@ def warn_if_contended(records: list[dict[str, Any]], say: Callable[[str], None])
             f"used more than {BUSY_LIMIT:.0%} of the CPUs (foreign_load in the JSON): the "
             "numbers are noisy; rerun on a quiet machine, or with --settle 60"
         )
+
+
+Records = list[dict[str, Any]]
+
+
+def measured(
+    launch: Callable[[], Records],
+    settle_s: float,
+    retries: int,
+    say: Callable[[str], None],
+    replaced: list[tuple[Records, float | None, int]] | None = None,
+) -> tuple[Records, float | None, int]:
+    """Run `launch`; returns its records, the foreign load meanwhile and the attempt.
+
+    With `settle_s`, first wait for a quiet machine, and run it again (at most `retries`
+    times) when other processes took the CPUs meanwhile; the runs it replaces go to
+    `replaced`, if given, as (records, foreign load, attempt).
+    """
+    meter = LoadMeter()
+    attempts = 1 + (retries if settle_s > 0 else 0)
+    for attempt in range(attempts):
+        if settle_s > 0:
+            settle(settle_s, say)
+        meter.start()
+        records = launch()
+        foreign = meter.foreign()
+        if (foreign or 0.0) < BUSY_LIMIT or attempt == attempts - 1:
+            return records, foreign, attempt
+        if replaced is not None:
+            replaced.append((records, foreign, attempt))
+        say("  (other processes took the CPUs during that launch: running it again)")
+    raise AssertionError("unreachable")

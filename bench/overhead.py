@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -58,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import BUSY_LIMIT, LoadMeter, settle, warn_if_contended
+from machine import BUSY_LIMIT, measured, warn_if_contended
 from peers import throughput_launch
 from tutorial import WORKLOADS, Workload, threads_for
 
@@ -89,31 +90,28 @@ def run_all(
     it replaces stay in the output with `kept: false`.
     """
     runs: list[dict[str, Any]] = []
-    meter = LoadMeter()
+    backend = "nccl" if device == "cuda" else "gloo"
     for repeat in range(repeats):
         for workload in workloads:
             for nprocs in nprocs_list:
-                attempts = 1 + (retries if settle_s > 0 else 0)
-                for attempt in range(attempts):
-                    if settle_s > 0:
-                        settle(settle_s, say)
-                    meter.start()
-                    backend = "nccl" if device == "cuda" else "gloo"
-                    launch_runs = throughput_launch(
-                        workload, nprocs, list(CONTESTANTS), rounds, backend
-                    )
-                    foreign = meter.foreign()
-                    contended = (foreign or 0.0) >= BUSY_LIMIT
-                    last = not contended or attempt == attempts - 1
-                    cell = {"workload": workload.name, "nprocs": nprocs, "repeat": repeat}
+                replaced: list[tuple[list[dict[str, Any]], float | None, int]] = []
+                launch_runs, foreign, attempt = measured(
+                    functools.partial(
+                        throughput_launch, workload, nprocs, list(CONTESTANTS), rounds, backend
+                    ),
+                    settle_s,
+                    retries,
+                    say,
+                    replaced,
+                )
+                cell = {"workload": workload.name, "nprocs": nprocs, "repeat": repeat}
+                for records, load, tried in [*replaced, (launch_runs, foreign, attempt)]:
+                    kept = records is launch_runs
                     runs += [
-                        {**cell, **r, "foreign_load": foreign, "attempt": attempt, "kept": last}
-                        for r in launch_runs
+                        {**cell, **r, "foreign_load": load, "attempt": tried, "kept": kept}
+                        for r in records
                     ]
-                    say(_launch_line(workload.name, nprocs, repeat, launch_runs, foreign))
-                    if last:
-                        break
-                    say("  (other processes took the CPUs during that launch: running it again)")
+                say(_launch_line(workload.name, nprocs, repeat, launch_runs, foreign))
     return runs
 
 

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from machine import BUSY_LIMIT, LoadMeter, settle, warn_if_contended
+from machine import BUSY_LIMIT, measured, warn_if_contended
 from peers_jobs import TRAIN, quiet_peers
 from tutorial import (
     LOOPBACK,
@@ -257,25 +257,6 @@ def contestants_for(workload: Workload, nprocs: int, chosen: Sequence[str]) -> l
     return [*chosen, *extra]
 
 
-def _measured(
-    launch: Callable[[], list[dict[str, Any]]], settle_s: float, retries: int, say: Say
-) -> tuple[list[dict[str, Any]], float | None, int]:
-    """Run `launch`; with `settle_s`, first wait for a quiet machine, and run it again
-    (at most `retries` times) when other processes took the CPUs meanwhile."""
-    meter = LoadMeter()
-    attempts = 1 + (retries if settle_s > 0 else 0)
-    for attempt in range(attempts):
-        if settle_s > 0:
-            settle(settle_s, say)
-        meter.start()
-        records = launch()
-        foreign = meter.foreign()
-        if (foreign or 0.0) < BUSY_LIMIT or attempt == attempts - 1:
-            return records, foreign, attempt
-        say("  (other processes took the CPUs during that launch: running it again)")
-    raise AssertionError("unreachable")
-
-
 def run_all(
     workloads: Sequence[Workload],
     nprocs_list: Sequence[int],
@@ -295,7 +276,7 @@ def run_all(
         for w in workloads:
             for n in nprocs_list:
                 names = contestants_for(w, n, chosen)
-                launch_runs, foreign, attempt = _measured(
+                launch_runs, foreign, attempt = measured(
                     functools.partial(throughput_launch, w, n, names, rounds),
                     settle_s,
                     retries,
@@ -312,7 +293,7 @@ def run_all(
             for n in nprocs_list:
                 names = contestants_for(w, n, chosen)
                 for name in _order(names, repeat):  # alternate who goes first
-                    records, foreign, attempt = _measured(
+                    records, foreign, attempt = measured(
                         functools.partial(_one_start, name, w, n),
                         settle_s,
                         retries,
