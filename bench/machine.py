@@ -3,6 +3,7 @@ good as the share of the CPUs that others took meanwhile (`foreign_load`)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import resource
 import time
@@ -109,3 +110,23 @@ def measured(
             replaced.append((records, foreign, attempt))
         say("  (other processes took the CPUs during that launch: running it again)")
     raise AssertionError("unreachable")
+
+
+def add_settle_args(p: argparse.ArgumentParser) -> None:
+    """--settle and --retries: how `measured` treats a machine that others share."""
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="before each launch, wait up to S seconds for other processes to leave the CPUs "
+        "(for shared machines; default 0: don't wait)",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --settle, run a launch again (at most N times) when other processes took "
+        "the CPUs during it (default 2)",
+    )

@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import BUSY_LIMIT, measured, warn_if_contended
-from peers import throughput_launch
+from machine import BUSY_LIMIT, add_settle_args, measured, warn_if_contended
+from peers import choose, throughput_launch
 from tutorial import WORKLOADS, Workload, threads_for
 
 import ddpkit
@@ -251,38 +251,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file (default %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    p.add_argument(
-        "--settle",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="before each launch, wait up to S seconds for other processes to leave the CPUs "
-        "(for shared machines; default 0: don't wait)",
-    )
-    p.add_argument(
-        "--retries",
-        type=int,
-        default=2,
-        metavar="N",
-        help="with --settle, run a launch again (at most N times) when other processes took "
-        "the CPUs during it (default 2)",
-    )
+    add_settle_args(p)
     args = p.parse_args(argv)
     try:
         args.nprocs = [int(n) for n in args.nprocs.split(",")]
     except ValueError:
         p.error(f"--nprocs takes integers like 1,2 (got {args.nprocs!r})")
-    names = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in names if w not in WORKLOADS]
-    if unknown or not names:
-        p.error(f"unknown workload(s) {unknown}: pick from {', '.join(WORKLOADS)}")
+    args.workloads = choose(p, "--workloads", args.workloads, WORKLOADS)
     if min(args.repeats, args.rounds, *args.nprocs) < 1 or min(args.retries, args.settle) < 0:
         p.error("--repeats, --rounds and --nprocs must be >= 1, --retries and --settle >= 0")
     if args.device == "cuda":
         gpus = torch.cuda.device_count()
         if max(args.nprocs) > gpus:
             p.error(f"--device cuda needs a GPU per rank: {gpus} visible, --nprocs {args.nprocs}")
-    args.workloads = names
     if args.quick:
         args.repeats = 1
     return args

@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from machine import BUSY_LIMIT, measured, warn_if_contended
+from machine import BUSY_LIMIT, add_settle_args, measured, warn_if_contended
 from peers_jobs import TRAIN, quiet_peers
 from tutorial import (
     LOOPBACK,
@@ -605,7 +605,8 @@ def _versions(chosen: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def _choose(p: argparse.ArgumentParser, flag: str, text: str, choices: Iterable[str]) -> list[str]:
+def choose(p: argparse.ArgumentParser, flag: str, text: str, choices: Iterable[str]) -> list[str]:
+    """The comma-separated names of `text`, each one of `choices` (else a usage error)."""
     names = [n for n in text.split(",") if n]
     if not names or set(names) - set(choices):
         p.error(f"{flag}: pick from {', '.join(choices)} (got {text!r})")
@@ -648,28 +649,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a smoke run (about 80 s)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file (default %(default)s)")
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
-    p.add_argument(
-        "--settle",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="before each launch wait up to S seconds for other processes to leave the CPUs",
-    )
-    p.add_argument(
-        "--retries",
-        type=int,
-        default=2,
-        metavar="N",
-        help="with --settle, rerun a disturbed launch (default 2)",
-    )
+    add_settle_args(p)
     args = p.parse_args(argv)
     try:
         args.nprocs = [int(n) for n in args.nprocs.split(",")]
     except ValueError:
         p.error(f"--nprocs takes integers like 1,2 (got {args.nprocs!r})")
-    args.workloads = _choose(p, "--workloads", args.workloads, WORKLOADS)
-    args.start_workloads = _choose(p, "--start-workloads", args.start_workloads, WORKLOADS)
-    args.contestants = _choose(p, "--contestants", args.contestants, CONTESTANTS)
+    args.workloads = choose(p, "--workloads", args.workloads, WORKLOADS)
+    args.start_workloads = choose(p, "--start-workloads", args.start_workloads, WORKLOADS)
+    args.contestants = choose(p, "--contestants", args.contestants, CONTESTANTS)
     missing = [
         m for c, m in PEERS.items() if c in args.contestants and importlib.util.find_spec(m) is None
     ]
