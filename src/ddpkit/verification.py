@@ -352,7 +352,7 @@ def _digest(t: torch.Tensor) -> str:
 # -- equivalence ------------------------------------------------------------------------
 class _Record(Callback):
     """N-rank run: rank 0 saves the model before the first step and after each one;
-    every rank keeps digests, to show whether the ranks agree with each other."""
+    every rank keeps digests of its parameters, to show whether the ranks agree."""
 
     def __init__(self, folder: Path, steps: int) -> None:
         self.folder, self.steps = folder, steps
@@ -360,7 +360,8 @@ class _Record(Callback):
 
     def _snap(self, trainer: Trainer, step: int) -> None:
         state = _state(trainer.model)
-        self.digests.append({k: _digest(v) for k, v in state.items()})
+        params = dict(unwrap(trainer.model).named_parameters())
+        self.digests.append({k: _digest(v) for k, v in state.items() if k in params})
         if trainer.ctx.is_main:
             torch.save(state, self.folder / f"step-{step}.pt")
 
@@ -397,7 +398,6 @@ def _equivalence_rank(
         "orders": orders,
         "repeatable": repeatable,
         "digests": record.digests,
-        "params": [name for name, _ in unwrap(trainer.model).named_parameters()],
     }
     Path(folder, f"rank-{ctx.rank}.json").write_text(json.dumps(facts))
 
@@ -600,7 +600,7 @@ def _diagnose_equivalence(
             f"{1 / ratio:.2f}x one process's (an extra all_reduce without dividing by the "
             "world size?)"
         )
-    elif _ranks_disagree(ranks, step, params_only=True):
+    elif _ranks_disagree(ranks, step):
         causes.append(
             f"the ranks hold different parameters after step {step}: something changes "
             "the parameters outside DDP's gradient averaging (a rank-dependent update?)"
@@ -613,16 +613,9 @@ def _diagnose_equivalence(
         )
 
 
-def _ranks_disagree(ranks: list[dict[str, Any]], step: int, params_only: bool) -> bool:
-    names = set(ranks[0]["params"]) if params_only else None
-    snaps = [
-        {
-            k: v
-            for k, v in r["digests"][min(step, len(r["digests"]) - 1)].items()
-            if names is None or k in names
-        }
-        for r in ranks
-    ]
+def _ranks_disagree(ranks: list[dict[str, Any]], step: int) -> bool:
+    """Do the ranks hold different parameters after `step` (or the last one recorded)?"""
+    snaps = [r["digests"][min(step, len(r["digests"]) - 1)] for r in ranks]
     return any(s != snaps[0] for s in snaps[1:])
 
 
