@@ -272,22 +272,19 @@ def _check_args(config: TrainConfig | None, nproc: int, steps: int, minimum: int
 
 
 # -- the job, built the way `ddpkit train` builds it ------------------------------------
-def _build(
-    ctx: DistContext, job: JobRef, seed: int, *, dropout: bool, dtype: str | None = None
-) -> tuple[Job, int]:
-    """Seed every rank alike, build, and (with dropout=False) switch Dropout off: one
-    process cannot draw the random masks that N ranks draw. Returns the count.
-    `dtype="float64"` promotes the model and the data."""
+def _build(ctx: DistContext, job: JobRef, seed: int, dtype: str) -> tuple[Job, int]:
+    """The job as `ddpkit train` builds it, promoted to float64 if asked, with Dropout
+    switched off (one process cannot draw the random masks that N ranks draw); returns
+    how many Dropout layers were switched off."""
     built = build_job(ctx, job, seed)
     if dtype == "float64":
         # In place: the optimizer keeps pointing at the same Parameter objects.
         built.model.double()
         built.train_set = _Float64(built.train_set)
     switched = 0
-    if not dropout:
-        for module in built.model.modules():
-            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-                module.p, switched = 0.0, switched + 1
+    for module in built.model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p, switched = 0.0, switched + 1
     return built, switched
 
 
@@ -377,7 +374,7 @@ class _Record(Callback):
 def _equivalence_rank(
     ctx: DistContext, job: JobRef, config: TrainConfig, steps: int, dtype: str, folder: str
 ) -> None:
-    built, switched = _build(ctx, job, config.seed, dropout=False, dtype=dtype)
+    built, switched = _build(ctx, job, config.seed, dtype)
     rng = _digest(torch.get_rng_state())  # as training starts: must match across ranks
     record = _Record(Path(folder), steps)
     trainer = _trainer(ctx, built, config, [record])
@@ -528,7 +525,7 @@ def _reference_rank(
     atol: float,
     rtol: float,
 ) -> dict[str, Any]:
-    built, _ = _build(ctx, job, config.seed, dropout=False, dtype=dtype)
+    built, _ = _build(ctx, job, config.seed, dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
     single = replace(config, batch_size=config.batch_size * nproc)
     _fit(_trainer(ctx, built, single, [compare], sampler=_Replay(union)))
