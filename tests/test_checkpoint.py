@@ -22,9 +22,9 @@ from ddpkit.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     load_model_state,
-    model_digest,
     save_checkpoint,
 )
+from ddpkit.digest import model_digest
 from tests.conftest import ROOT, wait_for_files
 
 CTX = DistContext()

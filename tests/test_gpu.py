@@ -7,7 +7,7 @@ runs them (`pytest -m gpu`) on a machine with one NVIDIA GPU. They use one rank
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -76,7 +76,7 @@ class _Losses(Callback):
         self.losses.append(metrics["loss"])
 
 
-def _train(ctx: ddpkit.DistContext, precision: str) -> dict[str, Any]:
+def _train(ctx: ddpkit.DistContext, precision: Literal["fp16", "bf16"]) -> dict[str, Any]:
     ddpkit.seed_everything(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(512, 16, generator=g)
@@ -104,7 +104,7 @@ def _train(ctx: ddpkit.DistContext, precision: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_trains_on_the_gpu(precision: str) -> None:
+def test_mixed_precision_trains_on_the_gpu(precision: Literal["fp16", "bf16"]) -> None:
     if precision == "bf16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")
     out = ddpkit.launch(_train, precision, nprocs=1, backend="nccl")

@@ -12,8 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
 from ddpkit import ConfigError, DistContext, launch
-from ddpkit.checkpoint import model_digest
 from ddpkit.config import TrainConfig
+from ddpkit.digest import model_digest
 from ddpkit.model import prepare_model, unwrap
 from ddpkit.seed import seed_everything
 from ddpkit.syncbn import SyncBatchNorm

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -15,8 +15,9 @@ from torch.utils.data import IterableDataset, Sampler, TensorDataset
 
 from ddpkit import DistContext, launch
 from ddpkit.callbacks import Callback
-from ddpkit.checkpoint import latest_checkpoint, model_digest
+from ddpkit.checkpoint import latest_checkpoint
 from ddpkit.config import TrainConfig
+from ddpkit.digest import model_digest
 from ddpkit.seed import seed_everything
 from ddpkit.trainer import Trainer
 
@@ -87,7 +88,9 @@ def test_a_short_last_group_is_averaged_over_its_own_size() -> None:
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_mixed_precision_resumes_exactly_with_its_scaler(tmp_path: Path, precision: str) -> None:
+def test_mixed_precision_resumes_exactly_with_its_scaler(
+    tmp_path: Path, precision: Literal["fp16", "bf16"]
+) -> None:
     def cfg(epochs: int, folder: str) -> TrainConfig:
         return TrainConfig(
             epochs=epochs,

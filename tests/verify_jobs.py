@@ -1,4 +1,4 @@
-"""Jobs for `ddpkit verify`'s tests: the seed's regression, made wrong in one way each
+"""Jobs for `ddpkit verify`'s tests: the DDP tutorial's regression, made wrong in one way each
 (and, as near misses, made right in the same place)."""
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ _EXPORTS = {
     "save_checkpoint": "ddpkit.checkpoint",
     "load_checkpoint": "ddpkit.checkpoint",
     "latest_checkpoint": "ddpkit.checkpoint",
-    "model_digest": "ddpkit.checkpoint",
+    "model_digest": "ddpkit.digest",
     "seed_everything": "ddpkit.seed",
     "SyncBatchNorm": "ddpkit.syncbn",
     "convert_sync_batchnorm": "ddpkit.syncbn",
@@ -75,10 +75,11 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ddpkit.callbacks import Callback, EarlyStopping
-    from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, model_digest, save_checkpoint
+    from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from ddpkit.config import TrainConfig
     from ddpkit.context import DistContext
     from ddpkit.data import prepare_loader
+    from ddpkit.digest import model_digest
     from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, WorkerError
     from ddpkit.job import Job
     from ddpkit.launcher import launch

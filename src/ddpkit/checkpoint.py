@@ -10,7 +10,6 @@ tensors onto the loading rank's own device.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -102,10 +101,23 @@ def save_checkpoint(
     step: int,
     keep_last: int | None = 3,
 ) -> Path:
-    """Save `state` (plus every rank's RNG state) as `ckpt-<step>.pt`. Call on EVERY rank.
+    """Save a training state as `directory/ckpt-<step, 9 digits>.pt`. Call it on EVERY rank.
 
-    Rank 0 writes; then all ranks meet at a barrier, so nobody reads or deletes a
-    checkpoint that is still being written. Keeps the newest `keep_last` files.
+    Every rank's RNG state is gathered into the file, so a resumed run draws the same
+    random numbers. Rank 0 writes to a temporary file and renames it, so a crash never
+    leaves a half-written checkpoint; then all ranks meet at a barrier, so nobody reads
+    or deletes a checkpoint that is still being written.
+
+    Args:
+        state: what to save, e.g. `{"model": unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict()}` (tensors and plain Python values).
+        directory: the checkpoint folder (created if missing).
+        ctx: this rank's `DistContext`.
+        step: the number in the file name (an optimizer step or an epoch).
+        keep_last: keep only the newest this many checkpoints (None: keep all).
+
+    Returns:
+        The path of the checkpoint written.
     """
     rngs = _gather_to_main(rng_state(), ctx)
     path = checkpoint_path(directory, step)
@@ -124,7 +136,20 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str, Any]:
-    """Load one checkpoint onto this rank's device; a bad file raises CheckpointError."""
+    """Load one checkpoint written by `save_checkpoint`, onto this rank's device.
+
+    The file is read with `weights_only=True`, so it cannot run code.
+
+    Args:
+        path: the checkpoint file.
+        ctx: this rank's `DistContext`.
+
+    Returns:
+        The saved state, with `rng` (every rank's RNG state) and `world_size` added.
+
+    Raises:
+        CheckpointError: the file is missing, unreadable or not a ddpkit checkpoint.
+    """
     try:
         state = torch.load(path, map_location=ctx.device, weights_only=True)
     except FileNotFoundError:
@@ -142,10 +167,18 @@ def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str,
 def latest_checkpoint(
     directory: str | os.PathLike[str], ctx: DistContext
 ) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads, skipping (and reporting) broken ones.
+    """The newest checkpoint in `directory` that loads, skipping (and reporting) broken ones.
 
-    None when the folder holds no checkpoint; CheckpointError when it holds some but
-    none loads.
+    Args:
+        directory: the checkpoint folder.
+        ctx: this rank's `DistContext`.
+
+    Returns:
+        `(path, state)` of the newest readable checkpoint, or None when the folder holds
+        no checkpoint.
+
+    Raises:
+        CheckpointError: the folder holds checkpoints but none of them loads.
     """
     candidates = list_checkpoints(directory)
     broken: list[str] = []
@@ -169,15 +202,3 @@ def latest_checkpoint(
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a model state dict, with or without DDP's `module.` prefixes, into `model`."""
     unwrap(model).load_state_dict(strip_prefixes(state))
-
-
-def model_digest(model: nn.Module) -> str:
-    """sha256 over the unwrapped state dict's names and tensor bytes, in key order.
-
-    Two runs whose digests match have bit-for-bit the same parameters and buffers.
-    """
-    h = hashlib.sha256()
-    for key, tensor in unwrap(model).state_dict().items():
-        h.update(key.encode())
-        h.update(bytes(tensor.detach().cpu().contiguous().clone().untyped_storage()))
-    return h.hexdigest()

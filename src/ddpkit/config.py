@@ -1,115 +1,250 @@
-"""TrainConfig: every option of a training run, validated on construction.
+"""TrainConfig: every option of a training run, and the one place that checks them.
 
-It imports nothing heavy, so the command line can build its flags from it (each field
-is a `--flag`; its help is the field's metadata) without loading torch.
+Each field declares its type (`int`, `float`, `str`, `bool`, `X | None` or a `Literal`
+of strings) and, in its metadata, its `help` and its range (`ge`, `gt`). A value is
+checked by `check_option` however it arrives: `TrainConfig(...)` in Python, a TOML file
+or a job's `DEFAULTS` (`validate_options`), or a command-line flag (`parse_option`), so
+a bad value gets the same message from each.
+
+It imports nothing heavy, so the command line can build its flags from it without
+loading torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import difflib
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ddpkit.errors import ConfigError
 
-PRECISIONS = ("32", "bf16", "fp16")
+__all__ = [
+    "TrainConfig",
+    "check_option",
+    "describe",
+    "field_type",
+    "parse_option",
+    "validate_options",
+]
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(
+    default: Any,
+    help: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    example: Any = None,
+) -> Any:
+    """A field with its `--help` text, its range, and the value an error suggests
+    (`example`, else the default)."""
+    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "example": example})
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Every knob of a training run; validated on construction.
+    """Every option of a training run, checked when it is constructed.
 
-    `batch_size` is per rank and per micro-batch: an optimizer step sees
-    `batch_size * accumulate * world_size` samples. `save_every` is in epochs; a
-    checkpoint is also written after the last epoch. `precision` is "32", "bf16" or
-    "fp16" (autocast; fp16 adds a gradient scaler). `clip_grad_norm` clips the global
-    gradient norm. `scheduler_interval` steps the LR scheduler per "epoch" or "step".
-    `run_dir` receives config.json and metrics.jsonl (a step line every `log_every`
-    optimizer steps). `early_stopping_patience` stops after that many epochs without
-    improvement of `early_stopping_metric`.
+    Each option is also a flag of `ddpkit train` (`batch_size` is `--batch-size`) and a
+    key of the TOML file that `--config` reads. A bad value raises `ConfigError`.
     """
 
-    epochs: int = _opt(10, "epochs to train")
-    batch_size: int = _opt(32, "samples per rank per micro-batch")
+    epochs: int = _opt(10, "epochs to train", ge=1)
+    """Passes over the training data."""
+    batch_size: int = _opt(32, "samples per rank per micro-batch", ge=1)
+    """Samples each process takes per forward pass. An optimizer step sees
+    `batch_size * accumulate * world_size` samples."""
     seed: int = _opt(0, "seed of every RNG and of the data order")
-    save_every: int = _opt(1, "checkpoint every N epochs (0: only after the last)")
-    checkpoint_dir: str | None = _opt(None, "folder for checkpoints (none written without it)")
-    resume: bool = _opt(False, "continue from the newest checkpoint in --checkpoint-dir")
-    keep_last: int = _opt(3, "checkpoints to keep")
-    num_workers: int = _opt(0, "data-loading processes per rank")
-    drop_last: bool = _opt(False, "drop each rank's last incomplete batch")
-    sync_batchnorm: bool = _opt(True, "synchronize BatchNorm statistics across ranks")
-    find_unused_parameters: bool = _opt(False, "let DDP handle parameters that get no gradient")
-    precision: str = _opt("32", "32, bf16 or fp16 (autocast; fp16 adds a gradient scaler)")
-    accumulate: int = _opt(1, "micro-batches per optimizer step (gradient accumulation)")
-    clip_grad_norm: float | None = _opt(None, "clip the global gradient norm to this value")
-    scheduler_interval: str = _opt("epoch", "step the LR scheduler per 'epoch' or per 'step'")
-    compile: bool = _opt(False, "torch.compile the model (after the DDP wrap)")
-    run_dir: str | None = _opt(
-        None, "folder for config.json and metrics.jsonl (and TensorBoard events)"
+    """Seeds Python, NumPy and torch on every rank, and the order of the data."""
+    save_every: int = _opt(1, "checkpoint every N epochs (0: only after the last)", ge=0)
+    """Epochs between checkpoints; one is also written after the last epoch."""
+    checkpoint_dir: str | None = _opt(
+        None, "folder for checkpoints (none written without it)", example="DIR"
     )
-    log_every: int = _opt(50, "optimizer steps between step lines in metrics.jsonl")
-    early_stopping_patience: int | None = _opt(None, "stop after N epochs without improvement")
+    """Where checkpoints go; None writes none."""
+    resume: bool = _opt(False, "continue from the newest checkpoint in --checkpoint-dir")
+    """Start from the newest checkpoint in `checkpoint_dir` (which it needs)."""
+    keep_last: int = _opt(3, "checkpoints to keep", ge=1)
+    """How many of the newest checkpoints to keep; older ones are deleted."""
+    num_workers: int = _opt(0, "data-loading processes per rank", ge=0)
+    """DataLoader worker processes per rank; 0 loads data in the training process."""
+    drop_last: bool = _opt(False, "drop each rank's last incomplete batch")
+    """Skip each rank's last batch when it is smaller than `batch_size`."""
+    sync_batchnorm: bool = _opt(True, "synchronize BatchNorm statistics across ranks")
+    """Compute BatchNorm statistics over the batches of all ranks, not each rank's own."""
+    find_unused_parameters: bool = _opt(False, "let DDP handle parameters that get no gradient")
+    """Needed when some parameters take no part in a forward pass; it costs speed."""
+    precision: Literal["32", "bf16", "fp16"] = _opt(
+        "32", "32, bf16 or fp16 (autocast; fp16 adds a gradient scaler)", example="bf16"
+    )
+    """"32" (full precision), or autocast to "bf16" or "fp16" (which adds a gradient
+    scaler so that small gradients do not vanish)."""
+    accumulate: int = _opt(1, "micro-batches per optimizer step (gradient accumulation)", ge=1)
+    """Micro-batches whose gradients are summed before each optimizer step."""
+    clip_grad_norm: float | None = _opt(
+        None, "clip the global gradient norm to this value", gt=0, example=1.0
+    )
+    """Scale the gradients down when their norm over all parameters exceeds this; None
+    leaves them as they are."""
+    scheduler_interval: Literal["epoch", "step"] = _opt(
+        "epoch", "step the LR scheduler per 'epoch' or per 'step'", example="step"
+    )
+    """When the learning-rate scheduler steps: after each "epoch" or each optimizer "step"."""
+    compile: bool = _opt(False, "torch.compile the model (after the DDP wrap)")
+    """Compile the model with torch.compile: a slower start, often a faster step."""
+    run_dir: str | None = _opt(
+        None, "folder for config.json and metrics.jsonl (and TensorBoard events)", example="DIR"
+    )
+    """Where the run's config.json and metrics.jsonl go (and TensorBoard events, when
+    tensorboard is installed); None writes neither."""
+    log_every: int = _opt(50, "optimizer steps between step lines in metrics.jsonl", ge=1)
+    """Optimizer steps between the step lines of metrics.jsonl."""
+    early_stopping_patience: int | None = _opt(
+        None, "stop after N epochs without improvement", ge=1, example=3
+    )
+    """Stop after this many epochs in which `early_stopping_metric` did not improve;
+    None trains every epoch."""
     early_stopping_metric: str = _opt("eval_loss", "the epoch metric early stopping watches")
+    """The epoch metric that early stopping watches (lower is better, unless its name
+    says accuracy or the like)."""
     progress: bool | None = _opt(
         None, "a progress bar on rank 0 (default: when stdout is a terminal)"
     )
+    """Show a progress bar on rank 0; None shows one when stdout is a terminal."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, name: str, rule: str, fix: str) -> None:
-            if not ok:
-                value = getattr(self, name)
-                raise ConfigError(f"{name} must be {rule} (got {value!r}): {fix}")
-
-        def flag(name: str) -> str:
-            return "--" + name.replace("_", "-")
-
-        def is_int(value: Any) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        for name in ("epochs", "batch_size", "keep_last", "accumulate", "log_every"):
-            value = getattr(self, name)
-            need(is_int(value) and value >= 1, name, ">= 1", f"pass {flag(name)} 1 or more")
-        for name in ("save_every", "num_workers"):
-            value = getattr(self, name)
-            need(is_int(value) and value >= 0, name, ">= 0", f"pass {flag(name)} 0 or more")
-        need(is_int(self.seed), "seed", "an integer", "pass --seed 0")
-        need(
-            self.precision in PRECISIONS,
-            "precision",
-            "one of 32, bf16, fp16",
-            "pass --precision bf16 (or 32, fp16)",
-        )
-        need(
-            self.clip_grad_norm is None
-            or (isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0),
-            "clip_grad_norm",
-            "> 0",
-            "pass --clip-grad-norm 1.0, or leave it out",
-        )
-        need(
-            self.scheduler_interval in ("epoch", "step"),
-            "scheduler_interval",
-            "'epoch' or 'step'",
-            "pass --scheduler-interval step",
-        )
-        need(
-            self.early_stopping_patience is None
-            or (is_int(self.early_stopping_patience) and self.early_stopping_patience >= 1),
-            "early_stopping_patience",
-            ">= 1",
-            "pass --early-stopping-patience 3",
-        )
-        need(
-            not self.resume or self.checkpoint_dir is not None,
-            "resume",
-            "used with a checkpoint folder",
-            "pass --checkpoint-dir DIR with --resume",
-        )
+        for name in _FIELDS:
+            # Frozen: the checked value (an int given for a float made a float) goes in
+            # the way dataclasses itself sets fields.
+            object.__setattr__(self, name, check_option(name, getattr(self, name)))
+        # The one rule about two fields; a file or flag alone cannot break it.
+        if self.resume and self.checkpoint_dir is None:
+            raise ConfigError(
+                "resume must be used with a checkpoint folder (got True): "
+                "pass --checkpoint-dir DIR with --resume"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# -- checking one value ---------------------------------------------------------------
+
+# Read once from the class above (TrainConfig.__post_init__ uses them, so they are set
+# by the time a TrainConfig is made).
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_TYPES = typing.get_type_hints(TrainConfig)  # the annotations are strings until resolved
+
+
+def field_type(name: str) -> tuple[Any, bool]:
+    """The type of field `name` without None, and whether None is allowed:
+    `(int, True)` for `int | None`, `(Literal["epoch", "step"], False)` for itself."""
+    hint = _TYPES[name]
+    args = typing.get_args(hint)
+    if type(None) in args:  # `X | None`, the one kind of union a field has
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def check_option(name: str, value: Any) -> Any:
+    """`value` if it is right for field `name` (an int for a float field becomes a
+    float); otherwise ConfigError saying what it must be and which flag sets it."""
+    kind, optional = field_type(name)
+    if value is None and optional:
+        return None
+    meta = _FIELDS[name].metadata
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if not isinstance(value, str) or value not in choices:
+            must = "one of " + ", ".join(choices)
+            raise _error(name, must, value, with_kind=not isinstance(value, str))
+        return value
+    if not _has_type(value, kind):
+        must = _TYPE_WORDS[kind] + (" or None" if optional else "")
+        raise _error(name, must, value, with_kind=True)
+    if meta["ge"] is not None and not value >= meta["ge"]:
+        raise _error(name, f">= {meta['ge']}", value)
+    if meta["gt"] is not None and not value > meta["gt"]:
+        raise _error(name, f"> {meta['gt']}", value)
+    return float(value) if kind is float else value
+
+
+def parse_option(name: str, text: str) -> Any:
+    """The value of field `name` written as command-line text ("32", "bf16"), checked
+    by `check_option`. Text that is not a number stays text, so the error names it."""
+    kind, _ = field_type(name)
+    value: Any = text
+    if kind is int or kind is float:
+        with contextlib.suppress(ValueError):
+            value = kind(text)
+    return check_option(name, value)
+
+
+def validate_options(values: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """`values` (from a TOML file, or a job's DEFAULTS) checked by `check_option`, with
+    `source` (e.g. "config file 'job.toml'") before each message; a new dict."""
+    checked: dict[str, Any] = {}
+    for key, value in values.items():
+        if not isinstance(key, str) or key not in _FIELDS:
+            raise ConfigError(f"{source}: {_unknown_key_message(key)}")
+        try:
+            checked[key] = check_option(key, value)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    return checked
+
+
+_TYPE_WORDS: dict[Any, str] = {
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    bool: "a boolean",
+}
+
+
+def _has_type(value: Any, kind: Any) -> bool:
+    if isinstance(value, bool) and kind is not bool:
+        return False  # True is an int to Python, but never a count or a size
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def _error(name: str, must: str, value: Any, *, with_kind: bool = False) -> ConfigError:
+    got = repr(value)
+    if len(got) > 60:  # a whole table or list pasted into one line helps no one
+        got = got[:57] + "..."
+    if with_kind and value is not None:
+        got += f", {describe(value)}"
+    return ConfigError(f"{name} must be {must} (got {got}): {_fix(name)}")
+
+
+def _fix(name: str) -> str:
+    """How to set `name` right: its flag, with a good value."""
+    flag = "--" + name.replace("_", "-")
+    kind, optional = field_type(name)
+    if kind is bool:
+        fix = f"pass {flag} or --no-{flag[2:]}"
+    else:
+        f = _FIELDS[name]
+        example = f.default if f.metadata["example"] is None else f.metadata["example"]
+        fix = f"pass {flag} {example}"
+    return fix + (", or leave it out" if optional else "")
+
+
+def _unknown_key_message(key: object) -> str:
+    text, valid = str(key), list(_FIELDS)
+    guess = text.replace("-", "_").lower()
+    close = [guess] if guess in valid else difflib.get_close_matches(text, valid, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown option {text!r}: {hint}valid options are {', '.join(valid)}"
+
+
+def describe(value: Any) -> str:
+    """What kind of Python value `value` is, in words: "a str", "an int", "None"."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"

@@ -1,5 +1,5 @@
-"""prepare_loader: the seed's `DataLoader(..., shuffle=False, sampler=DistributedSampler(...))`
-with the parts it leaves to the user done: a seed shared by all ranks, seeded workers,
+"""prepare_loader: `DataLoader(..., shuffle=False, sampler=DistributedSampler(...))` with
+the parts that the DDP tutorial leaves to the user done: a seed shared by all ranks, seeded workers,
 pinned memory on GPUs, and an evaluation mode that counts every sample exactly once."""
 
 from __future__ import annotations
@@ -104,13 +104,34 @@ def prepare_loader(
 ) -> DistributedLoader:
     """A DataLoader that gives this rank its share of `dataset`.
 
-    `batch_size` is per rank (the global batch is `batch_size * world_size`, as in the
-    seed). Training (the default) uses a DistributedSampler seeded with `seed` on every
-    rank, so ranks see disjoint shards of one permutation; call `loader.set_epoch(epoch)`
-    before each epoch (Trainer does) or every epoch repeats the same order.
-    `evaluation=True` shards without padding (see ShardSampler). A custom `sampler`
-    replaces ddpkit's and must shard by itself. A `TensorDataset` is fetched a batch at
-    a time (one gather per tensor; the same batches as DataLoader's per-sample default).
+    Training (the default) shuffles with a DistributedSampler seeded alike on every
+    rank, so the ranks see disjoint shards of one permutation. Call
+    `loader.set_epoch(epoch)` before each epoch (Trainer does), or every epoch repeats
+    the same order. A `TensorDataset` is fetched a batch at a time (the same batches
+    as the per-sample default, with less work).
+
+    Args:
+        dataset: a map-style dataset, or an IterableDataset that shards itself by rank.
+        ctx: this rank's `DistContext`.
+        batch_size: samples per rank; the global batch is `batch_size * world_size`.
+        shuffle: shuffle the training order (default: True for training; not allowed
+            with `sampler` or `evaluation`).
+        evaluation: shard without padding or dropping, so that every sample is counted
+            exactly once over all ranks (ranks may get one sample more than others).
+        seed: the seed of the shuffled order, the same on every rank.
+        drop_last: drop each rank's last incomplete batch.
+        sampler: your own sampler, used instead of ddpkit's; it must shard by itself.
+        num_workers: data-loading processes per rank; each is seeded reproducibly.
+        pin_memory: pin batches for faster copies to the GPU (default: on GPUs only).
+        collate_fn: how samples become a batch (DataLoader's default if None).
+        worker_init_fn: called in each worker after ddpkit seeds it.
+        persistent_workers: keep the workers alive between epochs.
+
+    Returns:
+        A `DataLoader` with a `set_epoch(epoch)` method.
+
+    Raises:
+        ConfigError: for a bad size or a combination that cannot work.
     """
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1 (got {batch_size}): pass --batch-size 32")

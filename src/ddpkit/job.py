@@ -75,7 +75,7 @@ def resolve_build(job: JobRef) -> BuildFn:
         return job
     if job in EXAMPLES:
         return cast(BuildFn, example_module(job).build)
-    from ddpkit.config_file import load_job  # imports user code: only when asked
+    from ddpkit.jobspec import load_job  # imports user code: only when asked
 
     return load_job(job)[0]
 

@@ -1,4 +1,4 @@
-"""launch(fn): the seed's `mp.spawn(main, nprocs=world_size)` done right.
+"""launch(fn): run a function on every GPU or CPU core, as `mp.spawn` would, done right.
 
 The parent picks the rendezvous (a TCP store it owns on 127.0.0.1 at a port the OS
 gives it, or a shared file), spawns one worker per device, watches them, and stops
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
-from ddpkit.diagnose import blame_key, find_hang
+from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, blame_key, find_hang
+from ddpkit.diagnosis.watchdog import Watchdog
 from ddpkit.errors import ConfigError, HangError, WorkerError
-from ddpkit.watchdog import Watchdog
 
 log = logging.getLogger("ddpkit")
 
@@ -121,16 +121,33 @@ def launch(
     backend: Backend = "auto",
     init: Init = "tcp",
     timeout: float = 1800.0,
-    hang_timeout: float = 300.0,
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT,
 ) -> T:
-    """Run `fn(ctx, *args)` on `nprocs` processes and return rank 0's result.
+    """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
-    `fn` must be a module-level function (workers are spawned, which pickles it).
-    `timeout` bounds every collective in seconds (torch's default is 30 minutes).
-    If any rank raises, the others are stopped and `WorkerError` names the rank and
-    carries its traceback. If no rank makes progress for `hang_timeout` seconds (0: never
-    check), the job is stopped and `HangError` says where each rank is stuck, with
-    every rank's Python stack. Under torchrun, `fn` runs in place in this process.
+    Each process joins one process group and gets its `DistContext` (rank, world size,
+    device) as `ctx`. Under torchrun (or `ddpkit run`), nothing is spawned: `fn` runs
+    in place in this process with the group torchrun set up, and every rank gets its
+    own result back.
+
+    Args:
+        fn: a module-level function (spawned workers import it by name).
+        *args: passed to `fn` after `ctx`; they must pickle.
+        nprocs: processes to start: "auto" is one per visible GPU, else one per CPU core.
+        backend: "auto" (nccl on GPUs, gloo on CPU), "gloo" or "nccl".
+        init: how ranks meet: "tcp" (a store on 127.0.0.1 at a free port) or "file".
+        timeout: seconds any collective may wait before it fails (torch's default, 30 min).
+        hang_timeout: seconds without progress after which the job is stopped and
+            diagnosed (0: never).
+
+    Returns:
+        What `fn` returned on rank 0.
+
+    Raises:
+        WorkerError: a rank raised or died; it names the rank and carries its traceback.
+            The other ranks are stopped.
+        HangError: the ranks stopped making progress; it says where each one is stuck.
+        ConfigError: a bad argument, named with its fix.
     """
     if init not in ("tcp", "file"):
         raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")

@@ -1,5 +1,5 @@
-"""prepare_model: the seed's `model.to(gpu_id)`, SyncBatchNorm and
-`DDP(model, device_ids=[gpu_id])`, in the right order."""
+"""prepare_model: put a model on this rank's device, synchronise its BatchNorm layers and
+wrap it in DistributedDataParallel, in the right order."""
 
 from __future__ import annotations
 
@@ -25,13 +25,28 @@ def prepare_model(
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
 ) -> nn.Module:
-    """Move `model` to this rank's device and, when there is more than one rank, wrap it.
+    """Put `model` on this rank's device and, with more than one rank, wrap it in DDP.
 
-    BatchNorm layers become synchronized BatchNorm (PyTorch's on GPUs, ddpkit's own on
-    CPU, where PyTorch's refuses to run) so that statistics are those of the global
-    batch; pass `sync_batchnorm=False` to keep per-rank statistics. With one process the
-    model is returned unwrapped: DDP would only add a gradient copy per step.
-    `gradient_as_bucket_view` defaults to True, which saves one gradient-sized copy.
+    Call it on every rank, after building the model and before building the
+    optimizer's parameter list from it is fine too (the parameters stay the same
+    objects). With one process the model comes back unwrapped: DDP would only add a
+    gradient copy per step.
+
+    Args:
+        model: the bare model (not already wrapped in DistributedDataParallel).
+        ctx: this rank's `DistContext` (from `launch`).
+        sync_batchnorm: turn BatchNorm layers into synchronised BatchNorm, so that their
+            statistics are those of the global batch (PyTorch's layer on GPUs, ddpkit's
+            own on CPU, where PyTorch's refuses to run). False keeps per-rank statistics.
+        find_unused_parameters: let DDP handle parameters that get no gradient in a step.
+        static_graph: promise DDP that the graph is the same every step.
+        gradient_as_bucket_view: let gradients share DDP's buckets (saves one
+            gradient-sized copy).
+        bucket_cap_mb: DDP's bucket size in MiB (None: DDP's default).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+
+    Returns:
+        The model to train: DDP-wrapped with several ranks, the moved model with one.
     """
     if isinstance(model, DDP):
         raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
@@ -74,6 +89,12 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
+
+
+def find_ddp(model: nn.Module) -> DDP | None:
+    """The DDP wrapper at the top of `model` (under `torch.compile` too), or None."""
+    inner = getattr(model, "_orig_mod", model)
+    return inner if isinstance(inner, DDP) else None
 
 
 def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

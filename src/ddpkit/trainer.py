@@ -1,4 +1,7 @@
-"""Trainer: the seed's Trainer made whole. Read `fit` top to bottom: it is the loop."""
+"""Trainer: the training loop of a DDP job, with everything around it (accumulation,
+mixed precision, evaluation, logging, checkpoints and exact resume).
+
+Read `fit` top to bottom: it is the loop."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Join
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -27,7 +29,7 @@ from ddpkit.context import DistContext
 from ddpkit.data import prepare_loader
 from ddpkit.errors import ConfigError
 from ddpkit.metrics import reduce_sums
-from ddpkit.model import prepare_model, unwrap
+from ddpkit.model import find_ddp, prepare_model, unwrap
 from ddpkit.runlog import RunLog
 from ddpkit.seed import set_rng_state
 
@@ -54,14 +56,32 @@ class FitResult:
 
 
 class Trainer:
-    """Trains `model` on `train_set` with DDP over all ranks of `ctx`.
+    """Trains a model with DDP over all ranks of `ctx`; `fit()` runs the loop.
 
-    The model is moved, BatchNorm-synchronized, wrapped (`prepare_model`) and, with
-    `compile=True`, compiled here; build the optimizer on the bare model's parameters
-    before, as in a one-GPU script. `loss_fn(outputs, targets)` must return the mean
-    over the batch. `train_sampler` replaces ddpkit's DistributedSampler and must shard
-    by itself; ranks may then get different numbers of batches (also with an
-    IterableDataset), which DDP's Join handles so that no rank hangs or drops work.
+    Build it on every rank with the same arguments. The model is moved,
+    BatchNorm-synchronised and wrapped here (`prepare_model`), and compiled with
+    `config.compile`; build the optimizer on the bare model's parameters first, as in
+    a one-GPU script.
+
+    A batch is `(inputs, targets)`: the model is called as `model(inputs)` and the loss
+    as `loss_fn(outputs, targets)`, which must return the mean over the batch.
+
+    Args:
+        model: the bare model.
+        optimizer: its optimizer, built on the bare model's parameters.
+        train_set: the training data; each rank trains on its own shard.
+        ctx: this rank's `DistContext` (from `launch`).
+        config: the run's options (epochs, batch size, precision, checkpoints, ...);
+            `TrainConfig()` if None.
+        loss_fn: `loss_fn(outputs, targets) -> mean loss` (default: cross-entropy).
+        eval_set: data evaluated after each epoch; every sample counts exactly once.
+        scheduler: a learning-rate scheduler, stepped per epoch or per step
+            (`config.scheduler_interval`).
+        train_sampler: your own sampler instead of ddpkit's DistributedSampler; it must
+            shard by itself. Ranks may then get different numbers of batches (also with
+            an IterableDataset), which DDP's Join handles so that no rank hangs.
+        callbacks: `Callback` objects whose hooks run at fit, epoch and step events.
+        log_fn: where rank 0's progress lines go (default: print).
     """
 
     def __init__(
@@ -91,7 +111,7 @@ class Trainer:
             # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
             # bucket boundaries, so communication still overlaps the backward pass.
             self.model = cast(nn.Module, torch.compile(self.model))
-        self._ddp = unwrap_ddp(self.model)
+        self._ddp = find_ddp(self.model)
         self.optimizer = optimizer
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.scheduler = scheduler
@@ -463,12 +483,6 @@ class _Window:
         self.loss.zero_()
         self.samples, self.start, self.grad_norm = 0, now, None
         return values
-
-
-def unwrap_ddp(model: nn.Module) -> DDP | None:
-    """The DDP wrapper inside `model` (under torch.compile too), or None."""
-    inner = getattr(model, "_orig_mod", model)
-    return inner if isinstance(inner, DDP) else None
 
 
 def _length(loader: Any) -> int | None:

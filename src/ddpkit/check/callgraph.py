@@ -1,6 +1,6 @@
 """Where a function of this file runs: on every rank, only behind a rank check, or unknown.
 
-The seed's `Trainer._save_checkpoint` holds a bare `torch.save`, yet it is fine:
+The DDP tutorial's `Trainer._save_checkpoint` holds a bare `torch.save`, yet it is fine:
 its one caller calls it under `if self.gpu_id == 0`. A collective in the same
 method would hang. So each function gets a context from the places that mention it:
 

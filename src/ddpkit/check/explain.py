@@ -87,7 +87,7 @@ EXPLANATIONS: dict[str, Explanation] = {
             "Under DDP each rank sees only its share of the batch, and plain BatchNorm\n"
             "normalises with that small share's statistics; running stats then differ\n"
             "between ranks. SyncBatchNorm computes them over the whole global batch.\n"
-            "(The seed's note: replace every BatchNorm with SyncBatchNorm.)"
+            "(The DDP tutorial's note: replace every BatchNorm with SyncBatchNorm.)"
         ),
         wrong="model = ResNetWithBatchNorm().to(rank)\nmodel = DDP(model, device_ids=[rank])",
         right=(
@@ -100,8 +100,8 @@ EXPLANATIONS: dict[str, Explanation] = {
         why=(
             "A collective (all_reduce, barrier, broadcast, gather, ...) returns only when\n"
             "every rank of the group has called it. Behind a rank check, rank 0 calls it\n"
-            "and the other ranks never do, so the job hangs until the timeout (the seed's\n"
-            "warning). This includes a collective inside a helper that is itself only\n"
+            "and the other ranks never do, so the job hangs until the timeout (the DDP\n"
+            "tutorial's warning). This includes a collective inside a helper that is itself only\n"
             "called on rank 0."
         ),
         wrong=(

@@ -196,7 +196,21 @@ def check_paths(
     select: Iterable[str] | None = None,
     ignore: Iterable[str] | None = None,
 ) -> Report:
-    """Check files and folders (recursively, `*.py`); findings come back sorted."""
+    """Check training scripts for DDP pitfalls, without running or importing them.
+
+    Args:
+        paths: files and folders; folders are searched recursively for `*.py`.
+        select: only these rule codes or prefixes (e.g. `["DDP103", "DDP11"]`).
+        ignore: skip these rule codes or prefixes.
+
+    Returns:
+        A `Report`: the findings (sorted by file and line), the number of files
+        checked, the paths that do not exist, and `exit_code` (0 clean, 1 findings,
+        2 unreadable files or missing paths).
+
+    Raises:
+        SelectionError: a code in `select` or `ignore` names no rule.
+    """
     rules = select_rules(select, ignore)
     files, missing = python_files(paths)
     report = Report(files_checked=len(files), missing=missing)

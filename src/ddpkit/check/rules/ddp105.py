@@ -1,4 +1,4 @@
-"""DDP105: a model with BatchNorm wrapped in DDP without SyncBatchNorm (the seed's note)."""
+"""DDP105: a model with BatchNorm wrapped in DDP without SyncBatchNorm (the DDP tutorial's note)."""
 
 from __future__ import annotations
 

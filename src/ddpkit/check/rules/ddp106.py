@@ -1,4 +1,4 @@
-"""DDP106: a collective that only some ranks reach: the others wait forever (the seed's warning)."""
+"""DDP106: a collective that only some ranks reach, so the others wait forever."""
 
 from __future__ import annotations
 
@@ -10,30 +10,8 @@ from ddpkit.check.index import Site
 from ddpkit.check.model import Severity
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS
 from ddpkit.check.rules.base import Hit, Rule, argument, describe_guard, scope_label, show
+from ddpkit.collectives import COLLECTIVES
 
-COLLECTIVES = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_object",
-        "all_gather_coalesced",
-        "all_to_all",
-        "all_to_all_single",
-        "broadcast",
-        "broadcast_object_list",
-        "reduce",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "gather",
-        "gather_object",
-        "scatter",
-        "scatter_object_list",
-        "barrier",
-        "monitored_barrier",
-        "new_group",
-    }
-)
 # torch.distributed.checkpoint save/load coordinate all ranks as well.
 _DCP = (
     "torch.distributed.checkpoint",

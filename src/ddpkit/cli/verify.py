@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from ddpkit.train_command import add_config_flags, add_job_flags
+from ddpkit.cli.flags import add_config_flags, add_job_flags
 
 # Options that verify sets itself (it runs --steps steps, writes no files, logs nothing).
 _NOT_FOR_VERIFY = (
@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.train_command import job_and_config
+    from ddpkit.cli.flags import job_and_config
     from ddpkit.verification import verify
 
     job, config = job_and_config(args)

@@ -23,26 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-# The collectives of torch.distributed that every rank of a group must call.
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-)
+from ddpkit.collectives import COLLECTIVES
 
 _OWN_FILES = (__file__, "torch/distributed/", "multiprocessing/", "threading.py", "runpy.py")
 # Frames of the machinery that starts a worker: left out of the stacks we show.
@@ -52,7 +33,7 @@ _PLUMBING = (
     "runpy",
     "<string>",
     "ddpkit/launcher.py",
-    "ddpkit/_shim.py",
+    "ddpkit/diagnosis/shim.py",
 )
 
 
@@ -90,7 +71,7 @@ class CollectiveTracker:
     def install(self) -> None:
         import torch.distributed as dist
 
-        for name in COLLECTIVES:
+        for name in sorted(COLLECTIVES):
             original = getattr(dist, name, None)
             if original is not None and not getattr(original, "_ddpkit_tracked", False):
                 setattr(dist, name, self._wrap(name, original))

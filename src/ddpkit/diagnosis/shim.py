@@ -1,4 +1,5 @@
-"""What each worker of `ddpkit run` executes: `python -m ddpkit._shim (SCRIPT | -m MODULE) ARGS`.
+"""What each worker of `ddpkit run` executes:
+`python -m ddpkit.diagnosis.shim (SCRIPT | -m MODULE) ARGS`.
 
 torchrun's agent starts it once per rank. It prepares the diagnosis (a watchdog that
 reports progress, a record of the exception if the script raises), then runs the
@@ -25,8 +26,8 @@ def _status_folder() -> Path | None:
 
 
 def main() -> None:
+    from ddpkit.diagnosis.watchdog import Watchdog, record_error
     from ddpkit.launcher import die_with_parent, exit_now
-    from ddpkit.watchdog import Watchdog, record_error
 
     die_with_parent()  # never outlive the agent, even if it is killed with SIGKILL
     args = sys.argv[1:]

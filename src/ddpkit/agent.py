@@ -1,5 +1,5 @@
-"""`ddpkit run`: start any training script on every GPU or CPU core through torchrun's
-elastic agent, and say which rank failed, or where every rank hangs, when it goes wrong.
+"""`ddpkit run`'s engine: torchrun's elastic agent in this process, plus ddpkit's
+rendezvous on loopback, fair threads per worker, hang watching and crash reports.
 
 The agent runs in this process (`torch.distributed.run`), so its restarts, signal
 handling and multi-node rendezvous are torchrun's own. ddpkit adds: a rendezvous served
@@ -9,9 +9,9 @@ each worker that reports progress and exceptions, and the reports read back here
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -19,91 +19,85 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddpkit.diagnosis.report import (
+    DEFAULT_HANG_TIMEOUT,
+    HANG_EXIT,
+    blame_key,
+    find_hang,
+    read_reports,
+)
 from ddpkit.errors import ConfigError
-
-HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
-DEFAULT_HANG_TIMEOUT = 300.0
+from ddpkit.launcher import serve_store, threads_per_rank
 
 
-def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "run",
-        help=HELP,
-        description=HELP,
-        usage="ddpkit run [options] (SCRIPT | -m MODULE) [ARGS ...]",
-    )
-    p.add_argument(
-        "--nproc",
-        default="auto",
-        help="processes on this machine: auto = one per GPU, else one per CPU core",
-    )
-    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
-    p.add_argument("--master-addr", help="address of node 0 (needed with --nnodes > 1)")
-    p.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart all workers up to K times after a failure (default 0)",
-    )
-    p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=DEFAULT_HANG_TIMEOUT,
-        help="stop the job and show every rank's stack when no rank has made "
-        f"progress for this many seconds (default {DEFAULT_HANG_TIMEOUT:.0f}; 0: off)",
-    )
-    p.add_argument(
-        "--rdzv-timeout",
-        type=float,
-        default=300.0,
-        help="seconds to wait for the other nodes (default 300)",
-    )
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
-    p.add_argument("script", nargs="?", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=run)
+@dataclass(frozen=True)
+class AgentOptions:
+    """How `run_script` starts the workers (the flags of `ddpkit run`, validated)."""
+
+    command: list[str]  # SCRIPT ARGS..., or -m MODULE ARGS...
+    nproc: int  # workers on this machine
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # node 0's address; None for one machine
+    master_port: int = 29500
+    max_restarts: int = 0
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT  # 0: off
+    rdzv_timeout: float = 300.0
 
 
-def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
-    """The worker command (after the shim) and the processes per node, or ConfigError."""
-    from ddpkit.launcher import resolve_backend, resolve_nprocs
+def run_script(opts: AgentOptions) -> int:
+    """Run `opts.command` on every worker through torchrun's agent; the exit status.
 
-    nproc = resolve_nprocs(args.nproc, resolve_backend("auto"))
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes must be >= 1 (got {args.nnodes})")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(
-            f"--node-rank must be in [0, {args.nnodes}) for --nnodes {args.nnodes} "
-            f"(got {args.node_rank}): number the machines 0 to {args.nnodes - 1}"
-        )
-    if args.nnodes > 1 and not args.master_addr:
-        raise ConfigError("--nnodes > 1 needs --master-addr: the address of node 0")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    if args.hang_timeout < 0:
-        raise ConfigError(f"--hang-timeout must be >= 0 seconds (got {args.hang_timeout})")
-    if args.module:
-        import importlib.util
-
-        # A script given after -m MODULE is the module's first argument.
-        extra = [args.script, *args.args] if args.script else list(args.args)
+    0 when every worker succeeded; 1 after a crash, with the first failing rank's
+    traceback on stderr; 124 for a hang, with every rank's stack; 128 + N when the job
+    was stopped by signal N.
+    """
+    single = opts.nnodes == 1
+    host = "127.0.0.1" if single else str(opts.master_addr)
+    local = single or _is_loopback(host)
+    store: Any = None
+    if opts.node_rank == 0:
+        # Node 0 serves the rendezvous itself, bound to the one address it was given.
         try:
-            found = importlib.util.find_spec(args.module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(f"no module named {args.module!r}: check the name and sys.path")
-        return ["-m", args.module, *extra], nproc
-    if not args.script:
-        raise ConfigError("nothing to run: pass a script (ddpkit run train.py) or -m MODULE")
-    if not Path(args.script).is_file():
-        raise ConfigError(f"script {args.script!r} does not exist")
-    return [args.script, *args.args], nproc
+            store = serve_store(host, 0 if single else opts.master_port)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve the rendezvous on {host}:{opts.master_port} ({exc.strerror}): "
+                "on node 0, --master-addr must be an address of this machine and "
+                "--master-port a free port"
+            ) from None
+        port = store.port
+    else:
+        port = opts.master_port
+        _wait_for_master(host, port, opts.rdzv_timeout)
+    _patch_agent_store(loopback=local)
+    status = Path(tempfile.mkdtemp(prefix="ddpkit-run-"))
+    env = {
+        **_thread_env(opts.nproc),
+        "DDPKIT_STATUS_DIR": str(status),
+        "DDPKIT_HANG_TIMEOUT": str(opts.hang_timeout),
+    }
+    if local and "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform == "linux":
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ.update(env)
+    run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
+    torchrun_args = [
+        *("--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc)),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id),
+        *("--rdzv-conf", f"is_host=false,join_timeout={int(opts.rdzv_timeout)}"),
+        *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
+        *(["--local-addr", "127.0.0.1"] if local else []),
+        *("--module", "ddpkit.diagnosis.shim", *opts.command),
+    ]
+    try:
+        return _supervise(torchrun_args, status, opts.hang_timeout, opts.nproc if single else None)
+    finally:
+        shutil.rmtree(status, ignore_errors=True)
+        del store
 
 
 def _is_loopback(host: str) -> bool:
@@ -141,8 +135,6 @@ def _patch_agent_store(loopback: bool) -> None:
     - TCPStore listens on every interface; when all nodes live on this machine it is
       served on 127.0.0.1 only.
     """
-    from ddpkit.launcher import serve_store
-
     try:
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
             DynamicRendezvousHandler as Handler,
@@ -169,76 +161,10 @@ def _patch_agent_store(loopback: bool) -> None:
 
 
 def _thread_env(nproc: int) -> dict[str, str]:
-    from ddpkit.launcher import threads_per_rank
-
     env: dict[str, str] = {}
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     return env
-
-
-def run(args: argparse.Namespace) -> int:
-    from ddpkit.launcher import serve_store
-
-    command, nproc = _validate(args)
-    single = args.nnodes == 1
-    host = "127.0.0.1" if single else args.master_addr
-    local = single or _is_loopback(host)
-    store: Any = None
-    if args.node_rank == 0:
-        # Node 0 serves the rendezvous itself, bound to the one address it was given.
-        try:
-            store = serve_store(host, 0 if single else args.master_port)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot serve the rendezvous on {host}:{args.master_port} ({exc.strerror}): "
-                "on node 0, --master-addr must be an address of this machine and "
-                "--master-port a free port"
-            ) from None
-        port = store.port
-    else:
-        port = args.master_port
-        _wait_for_master(host, port, args.rdzv_timeout)
-    _patch_agent_store(loopback=local)
-    status = Path(tempfile.mkdtemp(prefix="ddpkit-run-"))
-    env = {
-        **_thread_env(nproc),
-        "DDPKIT_STATUS_DIR": str(status),
-        "DDPKIT_HANG_TIMEOUT": str(args.hang_timeout),
-    }
-    if local and "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform == "linux":
-        env["GLOO_SOCKET_IFNAME"] = "lo"
-    os.environ.update(env)
-    run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
-    torchrun_args = [
-        "--nnodes",
-        str(args.nnodes),
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{host}:{port}",
-        "--rdzv-id",
-        run_id,
-        "--rdzv-conf",
-        f"is_host=false,join_timeout={int(args.rdzv_timeout)}",
-        "--max-restarts",
-        str(args.max_restarts),
-        "--monitor-interval",
-        "0.1",
-        *(["--local-addr", "127.0.0.1"] if local else []),
-        "--module",
-        "ddpkit._shim",
-        *command,
-    ]
-    try:
-        return _supervise(torchrun_args, status, args.hang_timeout, nproc if single else None)
-    finally:
-        import shutil
-
-        shutil.rmtree(status, ignore_errors=True)
-        del store
 
 
 def _latest_attempt(status: Path) -> Path:
@@ -256,8 +182,6 @@ class _HangWatch(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from ddpkit.diagnose import find_hang
-
         while not self.done.wait(1.0):
             hang = find_hang(_latest_attempt(self.status), self.timeout_s, self.nproc)
             if hang is not None:
@@ -275,8 +199,6 @@ def _supervise(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args
     from torch.distributed.run import run as torchrun
-
-    from ddpkit.diagnose import HANG_EXIT
 
     parsed = parse_args(torchrun_args)  # type: ignore[no-untyped-call]
     nproc = int(parsed.nproc_per_node)
@@ -308,8 +230,6 @@ def _supervise(
 
 def _crash_report(exc: Any, folder: Path) -> str:
     """The first failing rank, its exit code and its traceback, as the last lines."""
-    from ddpkit.diagnose import blame_key, read_reports
-
     errors = read_reports(folder, ".error.json")
     candidates = []
     for rank, failure in exc.failures.items():

@@ -1,4 +1,4 @@
-"""`ddpkit check PATH...`: the command-line front end of the checker.
+"""`ddpkit check PATH...`: the command-line front end of the checker (`ddpkit.check`).
 
 Exit status: 0 clean, 1 findings, 2 usage errors, missing paths or files that
 could not be read or parsed (the other files are still checked).
@@ -82,12 +82,3 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(format_text(report.findings))
         print(line)
     return report.exit_code
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ddpkit.check` without the rest of the ddpkit command."""
-    parser = argparse.ArgumentParser(prog="ddpkit")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    args = parser.parse_args(["check", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)

@@ -17,8 +17,7 @@ from ddpkit.errors import DdpkitError, HangError, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddpkit import info_command, plot_command, run_command, train_command, verify_command
-    from ddpkit.check.command import add_parser as add_check_parser
+    from ddpkit.cli import check, info, plot, run, train, verify
 
     parser = argparse.ArgumentParser(
         prog="ddpkit",
@@ -26,12 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    train_command.add_parser(sub)
-    run_command.add_parser(sub)
-    info_command.add_parser(sub)
-    add_check_parser(sub)
-    plot_command.add_parser(sub)
-    verify_command.add_parser(sub)
+    for command in (train, run, info, check, plot, verify):
+        command.add_parser(sub)
     return parser
 
 
@@ -54,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except HangError as exc:
-        from ddpkit.diagnose import HANG_EXIT
+        from ddpkit.diagnosis.report import HANG_EXIT
 
         print(f"{exc}\n\nddpkit: stopped the hung job (exit status {HANG_EXIT})", file=sys.stderr)
         return HANG_EXIT

@@ -12,6 +12,8 @@ from typing import Any
 
 # Exit status of a job that ddpkit stopped because it was hung (as timeout(1) does).
 HANG_EXIT = 124
+# Seconds without progress before a job counts as hung (0 turns the check off).
+DEFAULT_HANG_TIMEOUT = 300.0
 
 # Words of errors a rank raises because a peer died, not because it failed itself.
 _PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")

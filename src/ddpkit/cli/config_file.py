@@ -1,0 +1,119 @@
+"""TrainConfig options from a TOML file (`ddpkit train --config job.toml`).
+
+`ddpkit train` merges `defaults < job DEFAULTS < file < flags` with `merge_config`
+before building `TrainConfig`. The file's values are checked by
+`ddpkit.config.validate_options`, as every other source of options is.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ddpkit.config import describe, validate_options
+from ddpkit.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[import-not-found, unused-ignore]
+
+__all__ = ["load_config_file", "merge_config"]
+
+TRAIN_TABLE = "train"
+
+
+def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The options that the TOML file at `path` sets, checked; `{}` for an empty file.
+
+    The options are written either at the top level of the file or all under a
+    `[train]` table (not both)::
+
+        epochs = 20                  [train]
+        batch_size = 64              epochs = 20
+                                     batch_size = 64
+
+    Every key must be a field of `TrainConfig` and every value right for it (an
+    integer is taken for a float field). Raises `ConfigError` naming the file.
+    """
+    file = Path(path)
+    name = f"config file {str(file)!r}"
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{name} not found (looked for {file.absolute()}): "
+            "pass --config with the path of an existing TOML file"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"{name} is a folder: pass --config with the path of a TOML file"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read {name}: {exc.strerror or exc}: "
+            "check its permissions, or pass --config with another file"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{name} is not UTF-8 text (byte {exc.start}): "
+            "TOML files must be UTF-8; save it as UTF-8"
+        ) from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{name} is not valid TOML: {exc}{_quote_line(text, str(exc))}") from None
+    return validate_options(_options_table(document, name), name)
+
+
+def _options_table(document: dict[str, Any], name: str) -> dict[str, Any]:
+    """The table that holds the options: the whole document, or its `[train]` table."""
+    if TRAIN_TABLE not in document:
+        return document
+    table = document[TRAIN_TABLE]
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"{name}: {TRAIN_TABLE!r} must be a table (got {table!r}, {describe(table)}): "
+            f"write the options under a [{TRAIN_TABLE}] line, or at the top level of the file"
+        )
+    others = [key for key in document if key != TRAIN_TABLE]
+    if others:
+        raise ConfigError(
+            f"{name} has both a [{TRAIN_TABLE}] table and options at "
+            f"the top level ({', '.join(others)}): put every option under [{TRAIN_TABLE}], "
+            f"or drop the [{TRAIN_TABLE}] line and write them all at the top level"
+        )
+    return table
+
+
+def _quote_line(text: str, message: str) -> str:
+    """The offending line of a TOML syntax error, quoted, if the message names one."""
+    match = re.search(r"at line (\d+)", message)
+    if not match:
+        return ""
+    number = int(match.group(1))
+    lines = text.splitlines()
+    if not 1 <= number <= len(lines):
+        return ""
+    return f"\n    {number} | {lines[number - 1]}"
+
+
+def merge_config(
+    defaults: Mapping[str, Any], file_values: Mapping[str, Any], flags: Mapping[str, Any]
+) -> dict[str, Any]:
+    """`defaults`, overridden by `file_values`, overridden by `flags` (a new dict).
+
+    A flag whose value is `None` was not given on the command line and is skipped, so
+    it does not hide the file's value. (A `store_true` flag must have `default=None`
+    for the same reason.) `None` in `defaults` or `file_values` is kept.
+    """
+    merged = dict(defaults)
+    merged.update(file_values)
+    merged.update((key, value) for key, value in flags.items() if value is not None)
+    return merged

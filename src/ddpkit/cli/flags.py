@@ -1,0 +1,78 @@
+"""Flags shared by `ddpkit train` and `ddpkit verify`: which job, and its TrainConfig.
+
+Every TrainConfig field is a flag (`--batch-size`, `--precision`, ...); a TOML file
+given with `--config` sets any of them, and flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from ddpkit.config import TrainConfig, field_type, parse_option
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """--example / --job and --config: which job, with which TrainConfig file."""
+    job = p.add_mutually_exclusive_group()
+    job.add_argument("--example", help="built-in job: digits (the default) or seed")
+    job.add_argument(
+        "--job",
+        metavar="MODULE:FUNCTION",
+        help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)",
+    )
+    p.add_argument("--config", metavar="FILE.toml", help="TrainConfig options from a TOML file")
+
+
+def add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field but `skip`, with the field's help; None if not given.
+
+    The flags take text as it is (no argparse `type=` or `choices=`): `job_and_config`
+    converts and checks it with `ddpkit.config`, so a bad value reads as it would in
+    Python or in a TOML file.
+    """
+    options = p.add_argument_group("training options (TrainConfig; flags win over --config)")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in skip:
+            continue
+        kind, _ = field_type(f.name)
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if kind is bool:
+            options.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_
+            )
+        else:
+            choices = typing.get_args(kind)  # a Literal's; () for int, float, str
+            metavar = "{" + ",".join(choices) + "}" if choices else None
+            options.add_argument(flag, default=None, metavar=metavar, help=help_)
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainConfig flags given on the command line, converted and checked."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(TrainConfig):
+        given = getattr(args, f.name, None)
+        if given is not None:  # text, or a bool from --x/--no-x
+            values[f.name] = parse_option(f.name, given) if isinstance(given, str) else given
+    return values
+
+
+def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
+    """The job the flags name (an example's name or a MODULE:FUNCTION spec) and its
+    TrainConfig: the job's DEFAULTS, then --config's file, then the flags."""
+    from ddpkit.cli.config_file import load_config_file, merge_config
+    from ddpkit.job import example_module
+    from ddpkit.jobspec import load_job
+
+    flags = _flag_values(args)  # first: a bad flag costs no import of the job
+    if args.job:
+        _, defaults = load_job(args.job)  # fail here, not in every worker
+        job_name = args.job
+    else:
+        job_name = args.example or "digits"
+        defaults = dict(example_module(job_name).DEFAULTS)
+    from_file = load_config_file(args.config) if args.config else {}
+    return job_name, TrainConfig(**merge_config(defaults, from_file, flags))

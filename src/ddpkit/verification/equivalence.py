@@ -1,0 +1,316 @@
+"""The equivalence check: do N ranks compute what one process computes?
+
+K optimizer steps as N processes with batch b each, then as one process with batch N*b
+whose every batch is the union of the ranks' batches (the ranks' sampler order,
+recorded and replayed). After each step every parameter and buffer of the one-process
+run is compared with rank 0's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Sampler
+
+from ddpkit.callbacks import Callback
+from ddpkit.config import TrainConfig
+from ddpkit.context import DistContext
+from ddpkit.digest import tensor_digest
+from ddpkit.errors import ConfigError
+from ddpkit.job import JobRef
+from ddpkit.launcher import launch
+from ddpkit.model import unwrap
+from ddpkit.syncbn import SyncBatchNorm
+from ddpkit.trainer import Trainer
+from ddpkit.verification.causes import equivalence_causes
+from ddpkit.verification.report import VerifyReport
+from ddpkit.verification.runs import (
+    DEFAULT_STEPS,
+    LogFn,
+    Stop,
+    build,
+    check_args,
+    fit,
+    make_trainer,
+    silent,
+    snapshot,
+)
+
+# Sums in another order differ in the last bits, and optimizer steps can grow that (by
+# the learning rate over the gradient's scale), so allow room above rounding.
+TOLERANCES = {"float64": (1e-9, 1e-7), "float32": (1e-5, 1e-4)}  # (atol, rtol)
+
+
+def check_equivalence(
+    job: JobRef,
+    config: TrainConfig | None = None,
+    *,
+    nproc: int = 2,
+    steps: int = DEFAULT_STEPS,
+    dtype: str = "float64",
+    atol: float | None = None,
+    rtol: float | None = None,
+    log_fn: LogFn = None,
+) -> VerifyReport:
+    """Does `job` on `nproc` ranks with `config.batch_size` each compute what one process
+    computes with the global batch? `verify` describes the arguments; `atol`/`rtol`
+    default to TOLERANCES[dtype]."""
+    config = check_args(config, nproc, steps, minimum=1)
+    if dtype not in TOLERANCES:
+        raise ConfigError(f"dtype must be float64 or float32 (got {dtype!r})")
+    atol = TOLERANCES[dtype][0] if atol is None else atol
+    rtol = TOLERANCES[dtype][1] if rtol is None else rtol
+    if not (atol >= 0 and rtol >= 0):
+        raise ConfigError(f"atol and rtol must be >= 0 (got {atol}, {rtol}): pass --atol 1e-6")
+    precision = config.precision
+    # Autocast would round both runs to 16 bits and hide what this check looks for.
+    config = replace(config, epochs=steps, precision="32")  # each epoch has a step
+    say = log_fn or silent
+    with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
+        folder = Path(tmp)
+        say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
+        launch(
+            _equivalence_rank, job, config, steps, dtype, str(folder), nprocs=nproc, backend="gloo"
+        )
+        ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
+        if len({len(o) for r in ranks for o in r["orders"]}) > 1:
+            raise ConfigError(
+                "verify needs every rank to get the same number of samples per epoch, but "
+                "the job's train_sampler gives ranks shards of different lengths: check it "
+                "with ddpkit's own sharding (no train_sampler)"
+            )
+        union = _union_orders([r["orders"] for r in ranks], config.batch_size)
+        say(f"the same {steps} steps on 1 process, batch {nproc * config.batch_size}...")
+        compared = launch(
+            _reference_rank,
+            job,
+            config,
+            steps,
+            dtype,
+            str(folder),
+            union,
+            nproc,
+            atol,
+            rtol,
+            nprocs=1,
+            backend="gloo",
+        )
+    report = VerifyReport(
+        "equivalence",
+        passed=True,
+        nproc=nproc,
+        steps=steps,
+        batch_size=config.batch_size,
+        dtype=dtype,
+        atol=atol,
+        rtol=rtol,
+        first_divergence=compared["first"],
+        max_abs_diff=compared["max_abs"],
+        tolerance_used=compared["used"],
+    )
+    if precision != "32":
+        report.notes.append(f"precision {precision} compared without autocast, in {dtype}")
+    dropout = ranks[0]["dropout"]
+    if dropout:
+        report.notes.append(
+            f"{dropout} Dropout layer(s) switched off in both runs: one process cannot draw "
+            "the random masks that N ranks draw"
+        )
+    report.causes = equivalence_causes(report, ranks)
+    report.passed = report.first_divergence is None and not report.causes
+    return report
+
+
+# -- the N-rank run ---------------------------------------------------------------------
+class _Record(Callback):
+    """N-rank run: rank 0 saves the model before the first step and after each one;
+    every rank keeps digests of its parameters, to show whether the ranks agree."""
+
+    def __init__(self, folder: Path, steps: int) -> None:
+        self.folder, self.steps = folder, steps
+        self.digests: list[dict[str, str]] = []
+
+    def _snap(self, trainer: Trainer, step: int) -> None:
+        state = snapshot(trainer.model)
+        params = dict(unwrap(trainer.model).named_parameters())
+        self.digests.append({k: tensor_digest(v) for k, v in state.items() if k in params})
+        if trainer.ctx.is_main:
+            torch.save(state, self.folder / f"step-{step}.pt")
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self._snap(trainer, 0)
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        self._snap(trainer, step)
+        if step >= self.steps:
+            raise Stop
+
+
+def _equivalence_rank(
+    ctx: DistContext, job: JobRef, config: TrainConfig, steps: int, dtype: str, folder: str
+) -> None:
+    built, switched = build(ctx, job, config.seed, dtype)
+    rng = tensor_digest(torch.get_rng_state())  # as training starts: must match across ranks
+    record = _Record(Path(folder), steps)
+    trainer = make_trainer(ctx, built, config, [record])
+    batches = len(trainer.train_loader)
+    per_epoch = math.ceil(batches / config.accumulate)
+    orders, repeatable = _orders(trainer.train_loader.sampler, math.ceil(steps / per_epoch))
+    plain_bn = [
+        name
+        for name, m in unwrap(trainer.model).named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
+    ]
+    fit(trainer)
+    facts = {
+        "rank": ctx.rank,
+        "rng": rng,
+        "dropout": switched,
+        "plain_batchnorm": plain_bn,
+        "orders": orders,
+        "repeatable": repeatable,
+        "digests": record.digests,
+    }
+    Path(folder, f"rank-{ctx.rank}.json").write_text(json.dumps(facts))
+
+
+def _orders(sampler: Any, epochs: int) -> tuple[list[list[int]], bool]:
+    """The sampler's order in each of the first `epochs` epochs, and whether iterating it
+    twice gives the same order (a RandomSampler without a generator does not)."""
+    if not hasattr(sampler, "__len__"):
+        raise ConfigError(
+            "verify needs a map-style dataset (with __len__ and __getitem__): an "
+            "IterableDataset's order cannot be recorded and replayed"
+        )
+    orders, repeatable = [], True
+    for epoch in range(epochs):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        order = [int(i) for i in sampler]
+        repeatable = repeatable and order == [int(i) for i in sampler]
+        orders.append(order)
+    return orders, repeatable
+
+
+def _union_orders(orders: list[list[list[int]]], batch: int) -> list[list[int]]:
+    """Per epoch, one process's order: batch i is rank 0's batch i, then rank 1's, ..."""
+    union = []
+    for epoch in zip(*orders, strict=True):
+        flat: list[int] = []
+        for start in range(0, len(epoch[0]), batch):
+            for rank_order in epoch:
+                flat += rank_order[start : start + batch]
+        union.append(flat)
+    return union
+
+
+# -- the one-process run ----------------------------------------------------------------
+class _Replay(Sampler[int]):
+    """Yields a recorded order per epoch."""
+
+    def __init__(self, orders: list[list[int]]) -> None:
+        self.orders, self.epoch = orders, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = min(epoch, len(self.orders) - 1)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.orders[self.epoch])
+
+    def __len__(self) -> int:
+        return len(self.orders[self.epoch])
+
+
+class _Compare(Callback):
+    """One-process run: after each step, compare with the N-rank run's saved state."""
+
+    def __init__(self, folder: Path, steps: int, atol: float, rtol: float) -> None:
+        self.folder, self.steps, self.atol, self.rtol = folder, steps, atol, rtol
+        self.max_abs: list[float] = []
+        self.used: list[float] = []
+        self.first: dict[str, Any] | None = None
+        self.previous: dict[str, torch.Tensor] | None = None
+
+    def _compare(self, trainer: Trainer, step: int) -> None:
+        ours = snapshot(trainer.model)
+        theirs = torch.load(self.folder / f"step-{step}.pt", weights_only=True)
+        if set(ours) != set(theirs):
+            raise ConfigError(
+                "the one-process model has other state keys than the N-rank one: "
+                f"{sorted(set(ours) ^ set(theirs))[:5]} (does build(ctx) depend on the rank?)"
+            )
+        worst = used = 0.0
+        for name, a in ours.items():
+            b = theirs[name]
+            if a.numel() == 0:
+                continue
+            if a.is_floating_point():
+                diff = (a.double() - b.double()).abs()
+                max_abs = float(diff.max())
+                fraction = float((diff / (self.atol + self.rtol * b.double().abs())).max())
+                close = fraction <= 1.0  # torch.allclose's rule
+                max_rel = max_abs / max(float(b.abs().max()), 1e-12)
+            else:  # counters such as num_batches_tracked
+                close = torch.equal(a, b)
+                max_abs = max_rel = fraction = 0.0 if close else math.inf
+            worst, used = max(worst, max_abs), max(used, fraction)
+            if not close and self.first is None:
+                self.first = {"step": step, "tensor": name, "max_abs": max_abs, "max_rel": max_rel}
+                self.first.update(self._update_ratio(trainer, ours, theirs))
+        self.max_abs.append(worst)
+        self.used.append(used)
+        self.previous = ours
+        if step >= self.steps:
+            raise Stop
+
+    def _update_ratio(
+        self, trainer: Trainer, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
+    ) -> dict[str, float]:
+        """How this step's update of the parameters compares between the two runs: a
+        ratio of N (or 1/N) in the same direction means the gradient's scale is off."""
+        if self.previous is None:
+            return {}
+        names = [n for n, p in unwrap(trainer.model).named_parameters() if p.is_floating_point()]
+        one = torch.cat([(ours[n] - self.previous[n]).double().flatten() for n in names])
+        many = torch.cat([(theirs[n] - self.previous[n]).double().flatten() for n in names])
+        norms = float(one.norm()) * float(many.norm())
+        if norms == 0:
+            return {}
+        return {
+            "update_ratio": float(one.norm()) / float(many.norm()),
+            "update_cosine": float(one @ many) / norms,
+        }
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self._compare(trainer, 0)
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        self._compare(trainer, step)
+
+
+def _reference_rank(
+    ctx: DistContext,
+    job: JobRef,
+    config: TrainConfig,
+    steps: int,
+    dtype: str,
+    folder: str,
+    union: list[list[int]],
+    nproc: int,
+    atol: float,
+    rtol: float,
+) -> dict[str, Any]:
+    built, _ = build(ctx, job, config.seed, dtype)
+    compare = _Compare(Path(folder), steps, atol, rtol)
+    single = replace(config, batch_size=config.batch_size * nproc)
+    fit(make_trainer(ctx, built, single, [compare], sampler=_Replay(union)))
+    return {"first": compare.first, "max_abs": compare.max_abs, "used": compare.used}

@@ -1,0 +1,67 @@
+"""`VerifyReport`: what one check found, and the text `ddpkit verify` prints for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpkit.verification.runs import resume_cut
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of one check; `str(report)` is the text `ddpkit verify` prints."""
+
+    check: str  # "equivalence" or "resume"
+    passed: bool
+    nproc: int
+    steps: int
+    batch_size: int  # per rank
+    dtype: str | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    # equivalence: the first (step, tensor) out of tolerance, and the worst per step
+    first_divergence: dict[str, Any] | None = None
+    max_abs_diff: list[float] = field(default_factory=list)
+    tolerance_used: list[float] = field(default_factory=list)  # max |a-b| / (atol+rtol|b|)
+    # resume: what differs between the straight and the resumed run
+    differences: list[str] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's fields, as `ddpkit verify --json` prints them."""
+        return dict(self.__dict__)
+
+    def __str__(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        if self.check == "equivalence":
+            what = (
+                f"{self.nproc} processes x batch {self.batch_size} vs 1 process x batch "
+                f"{self.nproc * self.batch_size}, {self.steps} steps, "
+                f"{self.dtype}, atol {self.atol:g}, rtol {self.rtol:g}"
+            )
+        else:
+            what = (
+                f"{self.steps} steps straight vs {resume_cut(self.steps)} + resume + "
+                f"{self.steps - resume_cut(self.steps)}, {self.nproc} processes, bit for bit"
+            )
+        lines = [f"{verdict}  {self.check}: {what}"]
+        if self.max_abs_diff:
+            step = max(range(len(self.max_abs_diff)), key=self.max_abs_diff.__getitem__)
+            used = max(self.tolerance_used)
+            share = f"{used:.0%} of" if used <= 1 else f"{used:.2g}x"
+            lines.append(
+                f"  largest difference: {self.max_abs_diff[step]:.2g} after step {step} "
+                f"({share} the tolerance)"
+            )
+        if self.first_divergence:
+            d = self.first_divergence
+            lines.append(
+                f"  first divergence: step {d['step']}, {d['tensor']}: max abs diff "
+                f"{d['max_abs']:.3g}, max rel diff {d['max_rel']:.3g}"
+            )
+        lines += [f"  differs: {d}" for d in self.differences]
+        lines += [f"  likely cause: {c}" for c in self.causes]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
