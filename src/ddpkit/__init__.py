@@ -30,6 +30,7 @@ _EXPORTS = {
     "latest_checkpoint": "ddpkit.checkpoint",
     "model_digest": "ddpkit.digest",
     "seed_everything": "ddpkit.seed",
+    "rank_seed": "ddpkit.seed",
     "SyncBatchNorm": "ddpkit.syncbn",
     "convert_sync_batchnorm": "ddpkit.syncbn",
     "Trainer": "ddpkit.trainer",
@@ -64,6 +65,7 @@ __all__ = [
     "model_digest",
     "prepare_loader",
     "prepare_model",
+    "rank_seed",
     "reduce_mean",
     "reduce_sum",
     "reduce_sums",
@@ -85,7 +87,7 @@ if TYPE_CHECKING:
     from ddpkit.launcher import launch
     from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums
     from ddpkit.model import prepare_model, unwrap
-    from ddpkit.seed import seed_everything
+    from ddpkit.seed import rank_seed, seed_everything
     from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
     from ddpkit.trainer import FitResult, Trainer
     from ddpkit.verification import VerifyReport, verify

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 import sys
 from typing import Any
@@ -12,13 +13,25 @@ import torch
 def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's (if imported) and torch's RNGs (CPU and every GPU).
 
-    Every rank gets the same seed: parameters start equal (DDP also broadcasts them),
-    and random ops stay a function of the data each rank sees, not of the rank.
+    Call it with the same seed on every rank before building the model, so that every
+    rank starts from the same parameters. For training, give each rank its own stream
+    with `seed_everything(rank_seed(seed, rank))` (`Trainer.fit` does this).
     """
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2**32)
     torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s training stream: reproducible, and different per rank.
+
+    Ranks must not draw the same random numbers while they train: with the same stream,
+    every rank would apply the same dropout masks and augmentations to its share of the
+    batch, and the global batch would hold world-size correlated copies of them.
+    """
+    digest = hashlib.sha256(f"ddpkit-rank-seed:{seed}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # below 2**63, as torch wants
 
 
 def rng_state() -> dict[str, Any]:

@@ -31,7 +31,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, unwrap
 from ddpkit.runlog import RunLog
-from ddpkit.seed import set_rng_state
+from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 
 log = logging.getLogger("ddpkit")
 
@@ -148,6 +148,7 @@ class Trainer:
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
         self.should_stop = False
+        self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self.last_checkpoint: Path | None = None
         # Shards of unequal length are possible only with a sampler or dataset that is
         # not ours; then DDP's Join keeps the ranks' collectives matched.
@@ -164,8 +165,13 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> FitResult:
         cfg = self.config
-        if cfg.resume:
-            self._resume()
+        if not self._started:
+            # The model was built from one seed on every rank; from here on each rank
+            # draws its own reproducible stream (dropout, augmentation, noise).
+            seed_everything(rank_seed(cfg.seed, self.ctx.rank))
+            self._started = True
+            if cfg.resume:
+                self._resume()  # restores every rank's own stream as it was saved
         runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
         self._call("on_fit_start")
         samples, train_time, loss = 0, 0.0, math.nan
