@@ -28,6 +28,11 @@ class DistributedLoader(DataLoader[Any]):
 
     base_seed: int = 0
 
+    @property
+    def base_sampler(self) -> Any:
+        """The sampler that decides which indices this rank takes, in which order."""
+        return self.sampler
+
     def set_epoch(self, epoch: int) -> None:
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_sampler_epoch):

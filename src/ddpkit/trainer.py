@@ -153,7 +153,7 @@ class Trainer:
         # Shards of unequal length are possible only with a sampler or dataset that is
         # not ours; then DDP's Join keeps the ranks' collectives matched.
         self._uneven = ctx.distributed and not isinstance(
-            self.train_loader.sampler, DistributedSampler
+            self.train_loader.base_sampler, DistributedSampler
         )
         if self._uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
             raise ConfigError(

@@ -163,7 +163,7 @@ def _equivalence_rank(
     trainer = make_trainer(ctx, built, config, [record])
     batches = len(trainer.train_loader)
     per_epoch = math.ceil(batches / config.accumulate)
-    orders, repeatable = _orders(trainer.train_loader.sampler, math.ceil(steps / per_epoch))
+    orders, repeatable = _orders(trainer.train_loader.base_sampler, math.ceil(steps / per_epoch))
     plain_bn = [
         name
         for name, m in unwrap(trainer.model).named_modules()
