@@ -4,11 +4,11 @@ pinned memory on GPUs, and an evaluation mode that counts every sample exactly o
 
 from __future__ import annotations
 
-import functools
+import itertools
 import random
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
@@ -16,22 +16,27 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.seed import rank_seed
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of
 # (seed, rank, epoch) only, so a resumed run sees the same augmentations.
 _EPOCH_STRIDE = 1_000_003
+# Spreads a sample's position over the seed space (the golden ratio, as in splitmix64).
+_GOLDEN = 0x9E3779B97F4A7C15
 
 
 class DistributedLoader(DataLoader[Any]):
     """A DataLoader with `set_epoch`, which both reshuffles the sampler and reseeds the
-    workers. Without `sampler.set_epoch`, a DistributedSampler repeats its order."""
+    workers (without `sampler.set_epoch`, a DistributedSampler repeats its order), and
+    `skip`, which starts the next epoch part-way without loading what it skips."""
 
     base_seed: int = 0
 
     @property
     def base_sampler(self) -> Any:
         """The sampler that decides which indices this rank takes, in which order."""
-        return self.sampler
+        sampler = self.sampler
+        return sampler.inner if isinstance(sampler, _Positioned) else sampler
 
     def set_epoch(self, epoch: int) -> None:
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
@@ -39,6 +44,70 @@ class DistributedLoader(DataLoader[Any]):
             set_sampler_epoch(epoch)
         if self.generator is not None:
             self.generator.manual_seed(self.base_seed + epoch * _EPOCH_STRIDE)
+
+    def skip(self, batches: int) -> bool:
+        """Start the next epoch after its first `batches` batches, without loading them
+        (a mid-epoch resume). False for an IterableDataset, whose batches can only be
+        skipped by reading them."""
+        if not isinstance(self.sampler, _Positioned):
+            return False
+        self.sampler.start = batches * cast(int, self.batch_size)
+        return True
+
+
+class _Positioned(Sampler[Any]):
+    """The sampler that shards, able to start an epoch at a position, and (with worker
+    processes) pairing each index with a seed of its own.
+
+    Workers take batches in turn, so which worker draws a sample's augmentation, and
+    after how many other draws, depends on where the epoch started. A seed per sample,
+    made from (seed, rank, epoch, position), makes the draw the same either way, so a
+    resumed epoch that skips its first batches is bit-for-bit the uninterrupted one.
+    """
+
+    def __init__(self, inner: Sampler[Any], key: int | None) -> None:
+        self.inner, self.key = inner, key
+        self.epoch = self.start = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        set_epoch = getattr(self.inner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        start, self.start = self.start, 0  # a skip applies to one epoch only
+        indices = itertools.islice(iter(self.inner), start, None)
+        if self.key is None:
+            return indices
+        base = (self.key * _EPOCH_STRIDE + self.epoch) * _GOLDEN
+        return (
+            ((base + position * _GOLDEN) % 2**63, index)
+            for position, index in enumerate(indices, start)
+        )
+
+    def __len__(self) -> int:
+        return max(0, len(self.inner) - self.start)  # type: ignore[arg-type]
+
+
+class _SeededSamples(Dataset[Any]):
+    """`dataset`, fetched as `(seed, index)`: every RNG is seeded before each sample.
+
+    Only used in worker processes, whose RNGs serve nothing else."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, item: tuple[int, Any]) -> Any:
+        seed, index = item
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(seed % 2**32)
+        return self.dataset[index]
 
 
 class ShardSampler(Sampler[int]):
@@ -80,17 +149,6 @@ def _as_is(batch: list[torch.Tensor]) -> list[torch.Tensor]:
     return batch
 
 
-def _seed_worker(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    # torch seeds itself per worker; Python's and NumPy's RNGs need the same seed,
-    # or every worker (and every rank) draws the same "random" augmentations.
-    seed = torch.initial_seed() % 2**32
-    random.seed(seed)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(seed)
-    if user_init is not None:
-        user_init(worker_id)
-
-
 def prepare_loader(
     dataset: Dataset[Any],
     ctx: DistContext,
@@ -129,7 +187,8 @@ def prepare_loader(
         num_workers: data-loading processes per rank; each is seeded reproducibly.
         pin_memory: pin batches for faster copies to the GPU (default: on GPUs only).
         collate_fn: how samples become a batch (DataLoader's default if None).
-        worker_init_fn: called in each worker after ddpkit seeds it.
+        worker_init_fn: called in each worker when it starts (torch has seeded its
+            Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
         persistent_workers: keep the workers alive between epochs.
 
     Returns:
@@ -149,6 +208,14 @@ def prepare_loader(
         )
     if evaluation and shuffle:
         raise ConfigError("shuffle=True has no use in evaluation mode: drop it")
+    if evaluation and ctx.distributed and isinstance(dataset, IterableDataset):
+        # ddpkit cannot tell whether the stream shards itself: every rank may evaluate
+        # all of it, or each its share, and the counts would be silently wrong.
+        raise ConfigError(
+            "an IterableDataset cannot be an eval set with several ranks, because ddpkit "
+            "cannot make it count each sample exactly once: pass a map-style dataset "
+            "(with __len__ and __getitem__), which ddpkit shards without padding"
+        )
     if sampler is None and not isinstance(dataset, IterableDataset):
         size = len(dataset)  # type: ignore[arg-type]
         if evaluation:
@@ -171,6 +238,13 @@ def prepare_loader(
     # __getitem__, and a collate_fn of the caller's expects single samples).
     if collate_fn is None and type(dataset) is TensorDataset:
         dataset, collate_fn = _BatchedTensorDataset(*dataset.tensors), _as_is
+    if sampler is not None and not evaluation:
+        # Workers draw each sample's randomness from a seed of its own (see _Positioned);
+        # a plain TensorDataset draws nothing, and keeps its batched fetch.
+        seeded = num_workers > 0 and not isinstance(dataset, _BatchedTensorDataset)
+        sampler = _Positioned(sampler, rank_seed(seed, ctx.rank) if seeded else None)
+        if seeded:
+            dataset = _SeededSamples(dataset)
     generator = torch.Generator()
     generator.manual_seed(seed + ctx.rank)
     loader = DistributedLoader(
@@ -181,7 +255,7 @@ def prepare_loader(
         pin_memory=ctx.device.type == "cuda" if pin_memory is None else pin_memory,
         drop_last=drop_last,
         collate_fn=collate_fn,
-        worker_init_fn=functools.partial(_seed_worker, worker_init_fn),
+        worker_init_fn=worker_init_fn,
         generator=generator,
         persistent_workers=persistent_workers and num_workers > 0,
     )

@@ -11,14 +11,13 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.algorithms.join import Join
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -79,7 +78,8 @@ class Trainer:
             (`config.scheduler_interval`).
         train_sampler: your own sampler instead of ddpkit's DistributedSampler; it must
             shard by itself. Ranks may then get different numbers of batches (also with
-            an IterableDataset), which DDP's Join handles so that no rank hangs.
+            an IterableDataset); the ranks then agree on every step, so that none hangs
+            and all stay identical.
         callbacks: `Callback` objects whose hooks run at fit, epoch and step events.
         log_fn: where rank 0's progress lines go (default: print).
     """
@@ -149,16 +149,19 @@ class Trainer:
         self.global_step = 0
         self.should_stop = False
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
+        self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
+        self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
         self.last_checkpoint: Path | None = None
         # Shards of unequal length are possible only with a sampler or dataset that is
-        # not ours; then DDP's Join keeps the ranks' collectives matched.
+        # not ours; then the ranks agree on every step (see _agreed_groups).
         self._uneven = ctx.distributed and not isinstance(
             self.train_loader.base_sampler, DistributedSampler
         )
         if self._uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
             raise ConfigError(
                 "a custom sampler or an IterableDataset can give ranks unequal numbers of "
-                "batches, and synchronized BatchNorm cannot take part in DDP's Join: pass "
+                "batches, and synchronized BatchNorm cannot run on a rank whose data has "
+                "run out while the others train: pass "
                 "sync_batchnorm=False, or let ddpkit shard the data (no train_sampler)"
             )
 
@@ -177,7 +180,8 @@ class Trainer:
         samples, train_time, loss = 0, 0.0, math.nan
         metrics: dict[str, float] = {}
         try:
-            for epoch in range(self.epoch, cfg.epochs):
+            # A resumed run that had stopped early stays stopped.
+            for epoch in range(self.epoch, 0 if self.should_stop else cfg.epochs):
                 self._call("on_epoch_start", epoch)
                 self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
                 loss, n, seconds = self._train_epoch(epoch, runlog)
@@ -219,55 +223,98 @@ class Trainer:
 
     def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, float]:
         """One pass over this rank's shard; returns (global mean loss, global samples, s)."""
-        model, device, k = self.model, self.ctx.device, self.config.accumulate
+        model, device = self.model, self.ctx.device
         model.train()
         # Accumulate on the device: calling .item() each step would stall the GPU.
         loss_sum = torch.zeros((), device=device)
         count = 0
-        batches = _length(self.train_loader)
-        # Resumed from a checkpoint written mid-epoch: skip the batches it had trained
-        # (they are still loaded, so the loader and its workers stay in step).
+        # Resumed from a checkpoint written mid-epoch: start after the batches it had
+        # trained. A map-style dataset skips their indices without loading them; an
+        # IterableDataset can only read past them.
         skip = self.batch
-        loader: Iterable[Any] = self.train_loader
-        if skip:
-            loader = itertools.islice(self.train_loader, skip, None)
-        progress = self._progress(loader, epoch, None if batches is None else batches - skip)
+        skipped = bool(skip) and self.train_loader.skip(skip)
+        batches = _length(self.train_loader)
+        total = None if batches is None else batches + (skip if skipped else 0)
+        batch_iter = iter(self.train_loader)
+        if skip and not skipped:
+            for _ in itertools.islice(batch_iter, skip):
+                pass
+        if self._resume_rng is not None:  # after the skip, which may draw random numbers
+            set_rng_state(self._resume_rng)
+            self._resume_rng = None
+        progress = self._progress(batch_iter, epoch, None if total is None else total - skip)
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
         if runlog.active or self._bar is not None:
             window = _Window(device, self.ctx.world_size)
+        micro_batches = (
+            self._agreed_groups(progress, skip)
+            if self._uneven or total is None
+            else _fixed_groups(progress, self.config.accumulate, skip, total)
+        )
         start = time.perf_counter()
-        with self._join():
-            for i, (inputs, targets) in enumerate(progress, start=skip):
-                inputs = inputs.to(device, non_blocking=True)
-                targets = targets.to(device, non_blocking=True)
-                # The last micro-batch of a group syncs gradients and steps; a short
-                # last group (at the epoch's end) is averaged over its own size.
-                first = i - i % k
-                size = k if batches is None else min(k, batches - first)
-                step_now = i - first == size - 1
-                with self._no_sync(not step_now), self._autocast():
-                    loss = self.loss_fn(model(inputs), targets)
-                self._backward(loss / size if size > 1 else loss)
+        for batch, (num, den), step_now, position in micro_batches:
+            inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+            dummy = num == 0
+            if dummy:  # no data left here: take part in the step, change nothing
+                model.eval()
+            with self._no_sync(not step_now), self._autocast():
+                loss = self.loss_fn(model(inputs), targets)
+            scaled = loss * num if num != 1 else loss
+            self._backward(scaled / den if den != 1 else scaled)
+            if dummy:
+                model.train()
+            else:
                 size_b = len(targets)
                 loss_sum.add_(loss.detach().float(), alpha=size_b)
                 count += size_b
                 if window is not None:
                     window.add(loss.detach(), size_b)
-                if step_now:
-                    self.batch = i + 1
-                    self._optimizer_step(window)
-                    self._after_step(window, runlog, epoch)
-            if batches is None and count and i % k != k - 1:
-                # An iterable of unknown length ended inside a group: step with it.
+            if step_now:
+                self.batch = position  # where a checkpoint written now resumes
                 self._optimizer_step(window)
                 self._after_step(window, runlog, epoch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - start
-        # One collective for the epoch's log, run by every rank (after Join: all here).
-        total, n = reduce_sums([loss_sum, count], self.ctx)
-        return total / max(n, 1), int(n), seconds
+        # One collective for the epoch's log, run by every rank (all ranks end together).
+        total_loss, n = reduce_sums([loss_sum, count], self.ctx)
+        return total_loss / max(n, 1), int(n), seconds
+
+    def _agreed_groups(self, batch_iter: Iterable[Any], skip: int) -> Iterator[_Micro]:
+        """Micro-batches of shards whose lengths differ between ranks, or are unknown.
+
+        Before each optimizer step the ranks agree (one small all-reduce) on how many
+        samples the step has over all ranks, so that every rank steps together and the
+        gradient is the mean over exactly those samples. A rank whose data has run out
+        while others still train takes part with its last batch, weighted 0; the epoch
+        ends for every rank when no rank has data left. So the ranks' models, optimizer
+        and scheduler states stay bit-identical, and no sample is dropped.
+        """
+        k, world = self.config.accumulate, self.ctx.world_size
+        batch_iter = iter(batch_iter)
+        position = skip  # in micro-batches of whole groups, the same on every rank
+        while True:
+            group = list(itertools.islice(batch_iter, k))
+            position += k
+            counts = [_count(b) for b in group]
+            stranded = not group and self._last_batch is None
+            step_total, any_stranded = reduce_sums([sum(counts), int(stranded)], self.ctx)
+            if step_total == 0:
+                return
+            if any_stranded:
+                raise ConfigError(
+                    f"a rank got no batch at all in epoch {self.epoch + 1} while others did: "
+                    "each rank's share of the data (an IterableDataset or train_sampler "
+                    "that shards itself) must hold at least one batch"
+                )
+            if not group:
+                yield self._last_batch, (0.0, 1.0), True, position
+                continue
+            self._last_batch = group[-1]
+            for m, (batch, n) in enumerate(zip(group, counts, strict=True)):
+                # DDP averages over the ranks; this rank's part of the step's mean.
+                yield batch, (float(world * n), step_total), m == len(group) - 1, position
 
     def _optimizer_step(self, window: _Window | None) -> None:
         if self.scaler is not None:
@@ -353,6 +400,7 @@ class Trainer:
             "epoch": self.epoch,
             "batch": self.batch,
             "global_step": self.global_step,
+            "should_stop": self.should_stop,
             "config": self.config.to_dict(),
         }
 
@@ -387,9 +435,14 @@ class Trainer:
             cb.load_state_dict(cb_state)
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.batch = int(state.get("batch", 0))
+        self.should_stop = bool(state.get("should_stop", False))
         rngs = state.get("rng") or []
         if len(rngs) == self.ctx.world_size:
-            set_rng_state(rngs[self.ctx.rank])
+            # Mid-epoch, the stream is restored once the trained batches are skipped.
+            self._resume_rng = rngs[self.ctx.rank]
+            if not self.batch:
+                set_rng_state(self._resume_rng)
+                self._resume_rng = None
         elif self.ctx.is_main:
             log.warning(
                 "checkpoint was written by %d rank(s), this job has %d: random state is "
@@ -398,6 +451,10 @@ class Trainer:
                 self.ctx.world_size,
             )
         self.last_checkpoint = path
+        if self.should_stop or self.epoch >= self.config.epochs:
+            how = "stopped early" if self.should_stop else "finished"
+            self.say(f"{path}: nothing left to train, the run already {how} at epoch {self.epoch}")
+            return
         where = f" after batch {self.batch}" if self.batch else ""
         self.say(f"resumed from {path} at epoch {self.epoch + 1}{where} (step {self.global_step})")
 
@@ -416,9 +473,6 @@ class Trainer:
         """DDP's no_sync on all micro-batches of a group but the last: one all-reduce
         per optimizer step instead of one per micro-batch."""
         return self._ddp.no_sync() if skip and self._ddp is not None else _NOTHING
-
-    def _join(self) -> contextlib.AbstractContextManager[Any]:
-        return Join([self._ddp]) if self._uneven and self._ddp is not None else _NOTHING
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -489,6 +543,25 @@ class _Window:
         self.loss.zero_()
         self.samples, self.start, self.grad_norm = 0, now, None
         return values
+
+
+# A micro-batch, the (numerator, denominator) its mean loss is scaled by, whether the
+# optimizer steps after it, and the epoch's position (in batches) after that step.
+_Micro = tuple[Any, tuple[float, float], bool, int]
+
+
+def _fixed_groups(batch_iter: Iterable[Any], k: int, skip: int, total: int) -> Iterator[_Micro]:
+    """Micro-batches of equal shards of known length: every rank steps after the same
+    batches, with no collective. A short last group is averaged over its own size."""
+    for i, batch in enumerate(batch_iter, start=skip):
+        first = i - i % k
+        size = min(k, total - first)
+        yield batch, (1.0, float(size)), i - first == size - 1, i + 1
+
+
+def _count(batch: Any) -> int:
+    """Samples in a batch: the length of its targets."""
+    return len(batch[1])
 
 
 def _length(loader: Any) -> int | None:
