@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import pickle
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -12,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ddpkit import CheckpointError, DistContext, launch
@@ -67,26 +71,54 @@ def test_truncated_newest_is_reported_and_skipped(
     assert found is not None
     path, state = found
     assert path.name == "ckpt-000000001.pt" and state["epoch"] == 1
-    assert "ckpt-000000002.pt" in caplog.text and "truncated or corrupt" in caplog.text
+    assert "ckpt-000000002.pt is truncated or corrupt" in caplog.text
+    assert "resuming from the older checkpoint ckpt-000000001.pt" in caplog.text
+    assert "delete it" not in caplog.text  # the older one is already used: no advice to do that
 
 
 def test_only_broken_checkpoints_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "ckpt-000000003.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match=r"no checkpoint in .* could be read"):
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .* could be read") as info:
         latest_checkpoint(tmp_path, CTX)
+    assert "truncated or corrupt" in str(info.value) and "refused" not in str(info.value)
     assert latest_checkpoint(tmp_path / "empty", CTX) is None
 
 
 class _Evil:
+    """Unpickling this runs a shell command that creates `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
     def __reduce__(self) -> tuple[Any, ...]:
-        return (os.system, ("echo pwned",))
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
 
 
-def test_loading_never_unpickles_arbitrary_objects(tmp_path: Path) -> None:
-    path = tmp_path / "ckpt-000000001.pt"
-    torch.save({"model": {}, "payload": _Evil()}, path)
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
-        load_checkpoint(path, CTX)
+@pytest.mark.parametrize("writer", ["torch.save", "pickle"])
+def test_an_unsafe_pickle_is_refused_and_never_unpickled(
+    tmp_path: Path, writer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    marker = tmp_path / "MARKER"
+    payload = {"model": {}, "payload": _Evil(marker)}
+    pickle.loads(pickle.dumps(_Evil(tmp_path / "control")))  # the payload does run code
+    assert (tmp_path / "control").exists()
+    save_checkpoint(_state(1.0), tmp_path, CTX, step=1)
+    evil = tmp_path / "ckpt-000000002.pt"
+    if writer == "torch.save":
+        torch.save(payload, evil)
+    else:
+        evil.write_bytes(pickle.dumps(payload, protocol=2))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(evil, CTX)
+    message = str(info.value)
+    assert "was refused" in message and "weights-only" in message, message
+    assert "not unpickled" in message and "posix.system" in message, message
+    assert "truncated or corrupt" not in message
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        found = latest_checkpoint(tmp_path, CTX)
+    assert found is not None and found[0].name == "ckpt-000000001.pt"
+    assert "ckpt-000000002.pt was refused" in caplog.text and "older" in caplog.text
+    assert not marker.exists()
 
 
 def test_ddp_prefixed_keys_are_accepted(tmp_path: Path) -> None:
@@ -173,3 +205,115 @@ def test_atomic_save_failure_leaves_no_temporary(tmp_path: Path) -> None:
     with pytest.raises(Exception):  # noqa: B017 - torch raises a pickling error type
         atomic_save({"bad": lambda: 0}, tmp_path / "x.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- every rank resumes from the checkpoint rank 0 chose ----------------------------------
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _break_reads_on_rank1(how: str) -> None:
+    """Make this rank's reads of ckpt-10 fail or return other bytes (a flaky or a
+    different filesystem), through the module's one file-read function."""
+    import ddpkit.checkpoint as ckpt
+
+    real = ckpt._read_bytes
+
+    def read(path: Path) -> bytes:
+        if path.name != "ckpt-000000010.pt":
+            return real(path)
+        if how == "fail":
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real(path.with_name("ckpt-000000005.pt"))  # a valid file, other content
+
+    ckpt._read_bytes = read
+
+
+def _resume_everywhere(
+    ctx: DistContext, folders: list[str], rank1_reads: str | None
+) -> tuple[list[list[str]], list[list[str]]]:
+    """For each folder ("{rank}" is this rank's node), what latest_checkpoint gave on
+    every rank ("ckpt-N w=V", "none" or "error: ..."), and every rank's warnings."""
+    if ctx.rank == 1 and rank1_reads is not None:
+        _break_reads_on_rank1(rank1_reads)
+    warnings = _Warnings()
+    logging.getLogger("ddpkit").addHandler(warnings)
+    results = []
+    for folder in folders:
+        try:
+            found = latest_checkpoint(folder.format(rank=ctx.rank), ctx)
+        except CheckpointError as exc:
+            mine = f"error: {exc}"
+        else:
+            mine = "none" if found is None else f"{found[0].name} w={found[1]['model']['w'][0]:g}"
+        everyone: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        results.append(everyone)
+    logged: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(logged, warnings.messages)
+    return results, logged
+
+
+def _five_and_ten(folder: Path, ten: float = 10.0) -> Path:
+    save_checkpoint(_state(5.0), folder, CTX, step=5)
+    return save_checkpoint(_state(ten), folder, CTX, step=10)
+
+
+def test_every_rank_loads_the_file_rank0_chose(tmp_path: Path) -> None:
+    _five_and_ten(tmp_path / "good")
+    newest = _five_and_ten(tmp_path / "corrupt")
+    newest.write_bytes(newest.read_bytes()[:100])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "ckpt-000000003.pt").write_bytes(b"not a checkpoint")
+    folders = ["good", "corrupt", "empty", "broken"]
+    results, logged = launch(
+        _resume_everywhere, [str(tmp_path / f) for f in folders], None, nprocs=2, backend="gloo"
+    )
+    good, corrupt, empty, broken = results
+    assert good == ["ckpt-000000010.pt w=10"] * 2
+    assert corrupt == ["ckpt-000000005.pt w=5"] * 2  # rank 0 skipped the corrupt newest
+    assert empty == ["none", "none"]
+    assert broken[0] == broken[1] and broken[0].startswith("error: no checkpoint in")
+    warned, quiet = logged
+    assert quiet == []  # logged once, by rank 0
+    assert len(warned) == 1 and "older checkpoint ckpt-000000005.pt" in warned[0]
+    assert "ckpt-000000010.pt is truncated or corrupt" in warned[0]
+
+
+@pytest.mark.parametrize(
+    ("rank1_reads", "reason"),
+    [("fail", "cannot be read (OSError"), ("other bytes", "bytes differ from rank 0's")],
+)
+def test_a_rank_that_cannot_load_rank0s_choice_stops_every_rank(
+    tmp_path: Path, rank1_reads: str, reason: str
+) -> None:
+    newest = _five_and_ten(tmp_path)
+    results, _ = launch(_resume_everywhere, [str(tmp_path)], rank1_reads, nprocs=2, backend="gloo")
+    (outcome,) = results
+    assert outcome[0] == outcome[1], outcome  # the same error on every rank, no silent fallback
+    assert outcome[0].startswith("error: rank(s) 1 could not load checkpoint"), outcome
+    assert str(newest) in outcome[0] and "(step 10)" in outcome[0] and reason in outcome[0]
+
+
+def test_nodes_that_do_not_share_the_folder_stop_with_an_error(tmp_path: Path) -> None:
+    """Each rank sees its own node's folder: rank 1 lacks the newest file, or holds
+    different content under its name. The old per-rank choice silently diverged here."""
+    _five_and_ten(tmp_path / "missing0")
+    save_checkpoint(_state(5.0), tmp_path / "missing1", CTX, step=5)
+    _five_and_ten(tmp_path / "differ0")
+    _five_and_ten(tmp_path / "differ1", ten=99.0)
+    folders = [str(tmp_path / "missing{rank}"), str(tmp_path / "differ{rank}")]
+    (missing, differ), _ = launch(_resume_everywhere, folders, None, nprocs=2, backend="gloo")
+    for outcome in (missing, differ):
+        assert outcome[0] == outcome[1], outcome
+        assert outcome[0].startswith("error: rank(s) 1 could not load checkpoint"), outcome
+        assert "ckpt-000000010.pt" in outcome[0]
+    assert "nodes must share the checkpoint folder" in missing[0]
+    assert "bytes differ from rank 0's" in differ[0]

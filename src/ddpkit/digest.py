@@ -7,6 +7,7 @@ job's result across launches.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,3 +35,27 @@ def model_digest(model: nn.Module) -> str:
         h.update(key.encode())
         h.update(_tensor_bytes(tensor))
     return h.hexdigest()
+
+
+def state_digest(state: Any) -> str:
+    """sha256 over a nested state (dicts, lists, tensors, numbers), such as an
+    optimizer's or a scheduler's `state_dict()`: equal digests mean equal states."""
+    h = hashlib.sha256()
+    _feed(h, state)
+    return h.hexdigest()
+
+
+def _feed(h: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"tensor{value.dtype}{tuple(value.shape)}".encode())
+        h.update(_tensor_bytes(value))
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            h.update(repr(key).encode())
+            _feed(h, value[key])
+    elif isinstance(value, (list, tuple)):
+        h.update(f"seq{len(value)}".encode())
+        for item in value:
+            _feed(h, item)
+    else:
+        h.update(repr(value).encode())
