@@ -42,13 +42,53 @@ def test_unsynchronised_batchnorm_is_named() -> None:
     assert ddpkit.verify(verify_jobs.batchnorm, ddpkit.TrainConfig(batch_size=16), steps=3).passed
 
 
-def test_dropout_seeded_with_the_rank_is_named() -> None:
+def test_a_dataset_made_from_the_rank_is_named() -> None:
     config = ddpkit.TrainConfig(batch_size=16)
     report = ddpkit.verify(verify_jobs.rank_seeded_dropout, config, steps=3)
-    _fails_with(report, "randomness differs between ranks", "1 Dropout")
+    _fails_with(report, "the ranks build different datasets")
     near_miss = ddpkit.verify(verify_jobs.dropout, config, steps=3)
     assert near_miss.passed, str(near_miss)
     assert "Dropout layer(s) switched off" in " ".join(near_miss.notes)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_random_augmentation_and_dropout_pass(workers: int) -> None:
+    # Each rank draws its own noise; the one process replays what each rank drew.
+    config = ddpkit.TrainConfig(batch_size=16, num_workers=workers)
+    report = ddpkit.verify(verify_jobs.noisy_dropout, config, steps=3)  # 2 epochs
+    assert report.passed, str(report)
+
+
+def test_random_augmentation_passes_through_the_cli() -> None:
+    proc = run_cli(
+        "verify",
+        "--job",
+        "tests/verify_jobs.py:noisy_dropout",
+        "--steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--num-workers",
+        "1",
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("PASS"), proc.stdout
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_random_augmentation_resumes_exactly(workers: int) -> None:
+    config = ddpkit.TrainConfig(batch_size=16, num_workers=workers)
+    report = ddpkit.verify(verify_jobs.noisy_dropout, config, resume=True)  # cut mid-epoch
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["equivalence", "resume"])
+def test_unseeded_randomness_is_named(resume: bool) -> None:
+    config = ddpkit.TrainConfig(batch_size=16)
+    report = ddpkit.verify(verify_jobs.unseeded_noise, config, steps=3, resume=resume)
+    _fails_with(report, "unseeded randomness", "__getitem__")
+    assert "different datasets" not in str(report), str(report)
 
 
 def test_data_every_rank_reads_whole_is_named() -> None:

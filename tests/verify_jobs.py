@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
-from torch.utils.data import SequentialSampler
+from torch.utils.data import Dataset, SequentialSampler, TensorDataset
 
 import ddpkit
 from ddpkit.examples.seed import dataset
@@ -42,16 +44,61 @@ def _dropout_model() -> nn.Module:
     return nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 1))
 
 
+def _random_data() -> TensorDataset:
+    # Drawn from torch's global RNG: the same on every rank only if all are seeded alike.
+    return TensorDataset(torch.rand(256, 20), torch.rand(256, 1))
+
+
 def rank_seeded_dropout(ctx: ddpkit.DistContext) -> ddpkit.Job:
-    """Reseeds every rank with its rank: each rank's dropout masks depend on it."""
+    """Reseeds every rank with its rank before making its random dataset (the DDP
+    tutorial's defect): each rank trains on data of its own."""
     model = _dropout_model()
     torch.manual_seed(1000 + ctx.rank)
-    return _job(ctx, model)
+    job = _job(ctx, model)
+    job.train_set = _random_data()
+    return job
 
 
 def dropout(ctx: ddpkit.DistContext) -> ddpkit.Job:
-    """The near miss: the same model, every rank seeded alike (by ddpkit)."""
-    return _job(ctx, _dropout_model())
+    """The near miss: the same model and random dataset, every rank seeded alike (by
+    ddpkit)."""
+    job = _job(ctx, _dropout_model())
+    job.train_set = _random_data()
+    return job
+
+
+class _Noisy(Dataset[Any]):
+    """64 of the regression's samples, each fetched with fresh noise on its inputs (a
+    random augmentation); `unseeded` draws the noise from a generator seeded by the OS."""
+
+    def __init__(self, unseeded: bool = False) -> None:
+        self.data, self.unseeded = dataset(64), unseeded
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.data[index]
+        generator = None
+        if self.unseeded:
+            generator = torch.Generator()
+            generator.seed()
+        return x + 0.1 * torch.randn(x.shape, generator=generator), y
+
+
+def noisy_dropout(ctx: ddpkit.DistContext) -> ddpkit.Job:
+    """Dropout in the model and random noise added to every sample, drawn from each
+    rank's own stream (2 steps an epoch at batch 16 on 2 ranks)."""
+    job = _job(ctx, _dropout_model())
+    job.train_set = _Noisy()
+    return job
+
+
+def unseeded_noise(ctx: ddpkit.DistContext) -> ddpkit.Job:
+    """Every sample's noise comes from a generator that nothing seeds."""
+    job = _job(ctx, nn.Linear(20, 1))
+    job.train_set = _Noisy(unseeded=True)
+    return job
 
 
 def unsharded(ctx: ddpkit.DistContext) -> ddpkit.Job:

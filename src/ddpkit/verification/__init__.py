@@ -1,15 +1,17 @@
 """Check that a distributed job trains exactly as it should: `ddpkit verify` in Python.
 
 DDP bugs are silent: a BatchNorm that normalises each process's batch alone, a loss
-summed instead of averaged, randomness seeded with the rank, data every process reads
-whole, a resume that forgets part of the state. Each trains "fine" and gives a worse
-model. `verify` runs your own job through `Trainer`, on CPU with gloo (so a GPU job can
-be checked on a laptop), compares the numbers, and names the likely cause of a
-difference.
+summed instead of averaged, a random dataset built after seeding with the rank, data
+every process reads whole, a resume that forgets part of the state. Each trains "fine"
+and gives a worse model. `verify` runs your own job through `Trainer`, on CPU with gloo
+(so a GPU job can be checked on a laptop), compares the numbers, and names the likely
+cause of a difference.
 
-The modules: `equivalence` (N processes against one), `resume` (straight against
-stopped and resumed), `causes` (why a check failed), `report` (`VerifyReport`) and
-`runs` (what both checks' runs share).
+The modules: `equivalence` (N processes against one), `recording` (the samples each
+process trained on, replayed in one), `probe` (does every process build the same
+dataset, and does fetching a sample draw only seeded randomness?), `resume` (straight
+against stopped and resumed), `causes` (why a check failed), `report` (`VerifyReport`)
+and `runs` (what both checks' runs share).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ def verify(
     The default check runs `steps` optimizer steps as `nproc` processes with
     `config.batch_size` each, then as one process whose every batch is the union of the
     processes' batches (in the same order), and compares every parameter and buffer
-    after each step. Dropout is switched off in both runs, since one process cannot
-    draw the masks that N processes draw. The resume check runs `steps` steps straight,
-    and about half of them + a checkpoint + a resume in a fresh launch + the rest, and
-    requires the model, optimizer, scheduler and random states to be bit-for-bit equal
-    on every process.
+    after each step. Each process draws its own random stream, so the one process
+    trains on the samples the processes fetched, recorded as they trained (random
+    augmentation included). Dropout is switched off in both runs, since one process
+    cannot draw the masks that N processes draw. The resume check runs `steps` steps
+    straight, and about half of them + a checkpoint + a resume in a fresh launch + the
+    rest, and requires the model, optimizer, scheduler and random states to be
+    bit-for-bit equal on every process. Both checks fail a training set whose samples
+    draw randomness that ddpkit does not seed.
 
     Args:
         job: the job to check: a module-level `build(ctx) -> Job` function (it is sent

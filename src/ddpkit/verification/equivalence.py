@@ -1,9 +1,9 @@
 """The equivalence check: do N ranks compute what one process computes?
 
 K optimizer steps as N processes with batch b each, then as one process with batch N*b
-whose every batch is the union of the ranks' batches (the ranks' sampler order,
-recorded and replayed). After each step every parameter and buffer of the one-process
-run is compared with rank 0's.
+whose every batch is the union of the ranks' batches: the samples each rank fetched
+(random augmentation included) are recorded, and replayed in the ranks' order. After
+each step every parameter and buffer of the one-process run is compared with rank 0's.
 """
 
 from __future__ import annotations
@@ -11,26 +11,35 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Sampler
+from torch.utils.data import IterableDataset
+from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
-from ddpkit.digest import tensor_digest
+from ddpkit.digest import state_digest, tensor_digest
 from ddpkit.errors import ConfigError
 from ddpkit.job import JobRef
 from ddpkit.launcher import launch
 from ddpkit.model import unwrap
+from ddpkit.seed import rng_state
 from ddpkit.syncbn import SyncBatchNorm
 from ddpkit.trainer import Trainer
-from ddpkit.verification.causes import equivalence_causes
+from ddpkit.verification.causes import datasets_differ, equivalence_causes
+from ddpkit.verification.probe import probe_dataset
+from ddpkit.verification.recording import (
+    Recorder,
+    Replay,
+    ReplaySampler,
+    SampleKey,
+    replay_keys,
+)
 from ddpkit.verification.report import VerifyReport
 from ddpkit.verification.runs import (
     DEFAULT_STEPS,
@@ -40,6 +49,7 @@ from ddpkit.verification.runs import (
     check_args,
     fit,
     make_trainer,
+    promote_data,
     silent,
     snapshot,
 )
@@ -47,6 +57,10 @@ from ddpkit.verification.runs import (
 # Sums in another order differ in the last bits, and optimizer steps can grow that (by
 # the learning rate over the gradient's scale), so allow room above rounding.
 TOLERANCES = {"float64": (1e-9, 1e-7), "float32": (1e-5, 1e-4)}  # (atol, rtol)
+_NOT_MAP_STYLE = (
+    "verify needs a map-style dataset (with __len__ and __getitem__): an "
+    "IterableDataset's samples cannot be recorded by index and replayed"
+)
 
 
 def check_equivalence(
@@ -76,6 +90,7 @@ def check_equivalence(
     say = log_fn or silent
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         folder = Path(tmp)
+        (folder / "samples").mkdir()
         say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
         launch(
             _equivalence_rank, job, config, steps, dtype, str(folder), nprocs=nproc, backend="gloo"
@@ -87,7 +102,7 @@ def check_equivalence(
                 "the job's train_sampler gives ranks shards of different lengths: check it "
                 "with ddpkit's own sharding (no train_sampler)"
             )
-        union = _union_orders([r["orders"] for r in ranks], config.batch_size)
+        keys = replay_keys([r["orders"] for r in ranks], config.batch_size)
         say(f"the same {steps} steps on 1 process, batch {nproc * config.batch_size}...")
         compared = launch(
             _reference_rank,
@@ -96,7 +111,7 @@ def check_equivalence(
             steps,
             dtype,
             str(folder),
-            union,
+            keys,
             nproc,
             atol,
             rtol,
@@ -124,7 +139,18 @@ def check_equivalence(
             f"{dropout} Dropout layer(s) switched off in both runs: one process cannot draw "
             "the random masks that N ranks draw"
         )
-    report.causes = equivalence_causes(report, ranks)
+    if config.num_workers and any(len(set(o)) < len(o) for r in ranks for o in r["orders"]):
+        report.notes.append(
+            "the sampler gives a rank the same index twice in an epoch, and worker "
+            "processes fetch in parallel: the copies of such a sample may be replayed in "
+            "each other's place (check with --num-workers 0 if this run FAILs)"
+        )
+    if datasets_differ(ranks) and not ranks[0]["shards_by_index"]:
+        report.notes.append(
+            "the ranks build different datasets; taken as each rank's own shard, since "
+            "the job's train_sampler is not a DistributedSampler"
+        )
+    report.causes = equivalence_causes(report, ranks, reference_draws=compared["draws"])
     report.passed = report.first_divergence is None and not report.causes
     return report
 
@@ -158,9 +184,14 @@ def _equivalence_rank(
     ctx: DistContext, job: JobRef, config: TrainConfig, steps: int, dtype: str, folder: str
 ) -> None:
     built, switched = build(ctx, job, config.seed, dtype)
-    rng = tensor_digest(torch.get_rng_state())  # as training starts: must match across ranks
+    if isinstance(built.train_set, IterableDataset):
+        raise ConfigError(_NOT_MAP_STYLE)
+    probe = probe_dataset(built.train_set)  # leaves the RNGs as they were
+    # Recorded before promotion to float64: half the bytes, and the same samples.
+    recorder = Recorder(built.train_set, Path(folder, "samples"), ctx.rank)
+    built.train_set = promote_data(recorder, dtype)
     record = _Record(Path(folder), steps)
-    trainer = make_trainer(ctx, built, config, [record])
+    trainer = make_trainer(ctx, built, config, [recorder.epoch_callback(), record])
     batches = len(trainer.train_loader)
     per_epoch = math.ceil(batches / config.accumulate)
     orders, repeatable = _orders(trainer.train_loader.base_sampler, math.ceil(steps / per_epoch))
@@ -172,7 +203,8 @@ def _equivalence_rank(
     fit(trainer)
     facts = {
         "rank": ctx.rank,
-        "rng": rng,
+        "probe": probe,
+        "shards_by_index": isinstance(trainer.train_loader.base_sampler, DistributedSampler),
         "dropout": switched,
         "plain_batchnorm": plain_bn,
         "orders": orders,
@@ -186,10 +218,7 @@ def _orders(sampler: Any, epochs: int) -> tuple[list[list[int]], bool]:
     """The sampler's order in each of the first `epochs` epochs, and whether iterating it
     twice gives the same order (a RandomSampler without a generator does not)."""
     if not hasattr(sampler, "__len__"):
-        raise ConfigError(
-            "verify needs a map-style dataset (with __len__ and __getitem__): an "
-            "IterableDataset's order cannot be recorded and replayed"
-        )
+        raise ConfigError(_NOT_MAP_STYLE)
     orders, repeatable = [], True
     for epoch in range(epochs):
         set_epoch = getattr(sampler, "set_epoch", None)
@@ -201,37 +230,10 @@ def _orders(sampler: Any, epochs: int) -> tuple[list[list[int]], bool]:
     return orders, repeatable
 
 
-def _union_orders(orders: list[list[list[int]]], batch: int) -> list[list[int]]:
-    """Per epoch, one process's order: batch i is rank 0's batch i, then rank 1's, ..."""
-    union = []
-    for epoch in zip(*orders, strict=True):
-        flat: list[int] = []
-        for start in range(0, len(epoch[0]), batch):
-            for rank_order in epoch:
-                flat += rank_order[start : start + batch]
-        union.append(flat)
-    return union
-
-
 # -- the one-process run ----------------------------------------------------------------
-class _Replay(Sampler[int]):
-    """Yields a recorded order per epoch."""
-
-    def __init__(self, orders: list[list[int]]) -> None:
-        self.orders, self.epoch = orders, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = min(epoch, len(self.orders) - 1)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.orders[self.epoch])
-
-    def __len__(self) -> int:
-        return len(self.orders[self.epoch])
-
-
 class _Compare(Callback):
-    """One-process run: after each step, compare with the N-rank run's saved state."""
+    """One-process run: after each step, compare with the N-rank run's saved state, and
+    note whether the step drew random numbers (the replayed data draws none)."""
 
     def __init__(self, folder: Path, steps: int, atol: float, rtol: float) -> None:
         self.folder, self.steps, self.atol, self.rtol = folder, steps, atol, rtol
@@ -239,6 +241,8 @@ class _Compare(Callback):
         self.used: list[float] = []
         self.first: dict[str, Any] | None = None
         self.previous: dict[str, torch.Tensor] | None = None
+        self.draws = False  # did a step draw from torch's, random's or numpy's RNG?
+        self._rng = ""
 
     def _compare(self, trainer: Trainer, step: int) -> None:
         ours = snapshot(trainer.model)
@@ -293,7 +297,12 @@ class _Compare(Callback):
     def on_fit_start(self, trainer: Trainer) -> None:
         self._compare(trainer, 0)
 
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+        self._rng = state_digest(rng_state())
+
     def on_step_end(self, trainer: Trainer, step: int) -> None:
+        rng = state_digest(rng_state())
+        self.draws, self._rng = self.draws or rng != self._rng, rng
         self._compare(trainer, step)
 
 
@@ -304,13 +313,20 @@ def _reference_rank(
     steps: int,
     dtype: str,
     folder: str,
-    union: list[list[int]],
+    keys: list[list[SampleKey]],
     nproc: int,
     atol: float,
     rtol: float,
 ) -> dict[str, Any]:
     built, _ = build(ctx, job, config.seed, dtype)
+    built.train_set = promote_data(Replay(Path(folder, "samples"), keys), dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
-    single = replace(config, batch_size=config.batch_size * nproc)
-    fit(make_trainer(ctx, built, single, [compare], sampler=_Replay(union)))
-    return {"first": compare.first, "max_abs": compare.max_abs, "used": compare.used}
+    # Loading files needs no worker processes, and draws no random numbers.
+    single = replace(config, batch_size=config.batch_size * nproc, num_workers=0)
+    fit(make_trainer(ctx, built, single, [compare], sampler=ReplaySampler(keys)))
+    return {
+        "first": compare.first,
+        "max_abs": compare.max_abs,
+        "used": compare.used,
+        "draws": compare.draws,
+    }

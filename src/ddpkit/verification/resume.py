@@ -2,11 +2,14 @@
 
 K steps straight, and about K/2 steps + checkpoint + a fresh launch that resumes + the
 rest, on N processes; parameters, buffers, optimizer, scheduler and every RNG state
-must be bit-for-bit equal on every rank.
+must be bit-for-bit equal on every rank. A training set whose samples draw from a source
+ddpkit does not seed fails too: such a run cannot be resumed exactly, even where the
+numbers happen to agree.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
@@ -22,7 +25,8 @@ from ddpkit.job import JobRef, build_job
 from ddpkit.launcher import launch
 from ddpkit.seed import rng_state
 from ddpkit.trainer import Trainer
-from ddpkit.verification.causes import resume_causes
+from ddpkit.verification.causes import resume_causes, unseeded_cause
+from ddpkit.verification.probe import probe_dataset
 from ddpkit.verification.report import VerifyReport
 from ddpkit.verification.runs import (
     DEFAULT_STEPS,
@@ -75,7 +79,10 @@ def check_resume(
                 diffs[MAX_LISTED:] = [f"... and {len(diffs) - MAX_LISTED} more"]
             report.differences += [f"rank {rank}: {d}" for d in diffs]
             report.causes += [c for c in resume_causes(straight, resumed) if c not in report.causes]
-    report.passed = not report.differences
+        unseeded = json.loads(Path(tmp, "probe.json").read_text())["unseeded"]
+    if unseeded is not None:
+        report.causes.insert(0, unseeded_cause(unseeded))
+    report.passed = not report.differences and unseeded is None
     return report
 
 
@@ -103,6 +110,8 @@ def _resume_rank(
     checkpoints = str(Path(folder, "checkpoints"))
     for phase in phases:  # each builds the job afresh, seeded as `ddpkit train` does
         built = build_job(ctx, job, config.seed)
+        if phase == "straight" and ctx.is_main:  # the probe leaves the RNGs as they were
+            Path(folder, "probe.json").write_text(json.dumps(probe_dataset(built.train_set)))
         if phase == "straight":
             trainer = make_trainer(ctx, built, config, [_StopAt(steps)])
         elif phase == "first-half":

@@ -59,14 +59,14 @@ def resume_cut(steps: int) -> int:
 
 # -- the job, built the way `ddpkit train` builds it ------------------------------------
 def build(ctx: DistContext, job: JobRef, seed: int, dtype: str) -> tuple[Job, int]:
-    """The job as `ddpkit train` builds it, promoted to float64 if asked, with Dropout
-    switched off (one process cannot draw the random masks that N ranks draw); returns
-    how many Dropout layers were switched off."""
+    """The job as `ddpkit train` builds it, its model promoted to float64 if asked
+    (`promote_data` does the same for data), with Dropout switched off (one process
+    cannot draw the random masks that N ranks draw); returns how many Dropout layers
+    were switched off."""
     built = build_job(ctx, job, seed)
     if dtype == "float64":
         # In place: the optimizer keeps pointing at the same Parameter objects.
         built.model.double()
-        built.train_set = _Float64(built.train_set)
     switched = 0
     for module in built.model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
@@ -87,6 +87,11 @@ def make_trainer(
     return job.trainer(
         ctx, config, callbacks=callbacks, train_sampler=sampler, evaluate=False, log_fn=silent
     )
+
+
+def promote_data(data: Dataset[Any], dtype: str) -> Dataset[Any]:
+    """`data` with floating-point tensors promoted to float64 if `dtype` says so."""
+    return _Float64(data) if dtype == "float64" else data
 
 
 class _Float64(Dataset[Any]):
