@@ -18,6 +18,8 @@ _EXPORTS = {
     "ConfigError": "ddpkit.errors",
     "CheckpointError": "ddpkit.errors",
     "WorkerError": "ddpkit.errors",
+    "HangError": "ddpkit.errors",
+    "rank_zero_first": "ddpkit.distributed",
     "launch": "ddpkit.launcher",
     "prepare_model": "ddpkit.model",
     "unwrap": "ddpkit.model",
@@ -51,6 +53,7 @@ __all__ = [
     "DistContext",
     "EarlyStopping",
     "FitResult",
+    "HangError",
     "Job",
     "SyncBatchNorm",
     "TrainConfig",
@@ -66,6 +69,7 @@ __all__ = [
     "prepare_loader",
     "prepare_model",
     "rank_seed",
+    "rank_zero_first",
     "reduce_mean",
     "reduce_sum",
     "reduce_sums",
@@ -82,7 +86,8 @@ if TYPE_CHECKING:
     from ddpkit.context import DistContext
     from ddpkit.data import prepare_loader
     from ddpkit.digest import model_digest
-    from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, WorkerError
+    from ddpkit.distributed import rank_zero_first
+    from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, HangError, WorkerError
     from ddpkit.job import Job
     from ddpkit.launcher import launch
     from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums

@@ -9,7 +9,10 @@ each worker that reports progress and exceptions, and the reports read back here
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -19,6 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +30,10 @@ from typing import Any
 from ddpkit.diagnosis.report import (
     DEFAULT_HANG_TIMEOUT,
     HANG_EXIT,
+    HangJudge,
     blame_key,
-    find_hang,
     read_reports,
+    status_key,
 )
 from ddpkit.errors import ConfigError
 from ddpkit.launcher import serve_store, threads_per_rank
@@ -80,9 +85,16 @@ def run_script(opts: AgentOptions) -> int:
         **_thread_env(opts.nproc),
         "DDPKIT_STATUS_DIR": str(status),
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_timeout),
+        "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
-    if local and "GLOO_SOCKET_IFNAME" not in os.environ and sys.platform == "linux":
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+    if not single:
+        # Every node's watch judges every rank, so the ranks report to the store too.
+        env["DDPKIT_STATUS_STORE"] = f"{host}:{port}"
+    if local and sys.platform == "linux":
+        # gloo's and NCCL's sockets stay off the network when every node is this machine.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                env[name] = "lo"
     os.environ.update(env)
     run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
     torchrun_args = [
@@ -94,7 +106,11 @@ def run_script(opts: AgentOptions) -> int:
         *("--module", "ddpkit.diagnosis.shim", *opts.command),
     ]
     try:
-        return _supervise(torchrun_args, status, opts.hang_timeout, opts.nproc if single else None)
+        reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
+        if not single:
+            reports = _StoreReports(host, port, opts.nnodes * opts.nproc)
+        world = opts.nproc if single else opts.nnodes * opts.nproc
+        return _supervise(torchrun_args, status, reports, opts.hang_timeout, world)
     finally:
         shutil.rmtree(status, ignore_errors=True)
         del store
@@ -172,28 +188,66 @@ def _latest_attempt(status: Path) -> Path:
     return attempts[-1] if attempts else status / "attempt0"
 
 
-class _HangWatch(threading.Thread):
-    """Polls the workers' reports; on a hang, remembers it and signals the agent."""
+class _StoreReports:
+    """Every rank's report, read from the rendezvous store (jobs on several machines:
+    each node's watch sees the ranks of every node, not just its own)."""
 
-    def __init__(self, status: Path, timeout_s: float, nproc: int) -> None:
+    def __init__(self, host: str, port: int, world_size: int) -> None:
+        from datetime import timedelta
+
+        from ddpkit.launcher import TCPStore
+
+        self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.world_size, self.attempt = world_size, 0
+
+    def __call__(self) -> dict[int, dict[str, Any]]:
+        # A restarted job reports under the next attempt's keys.
+        while self.store.check([status_key(self.attempt + 1, 0)]):
+            self.attempt += 1
+        reports = {}
+        for rank in range(self.world_size):
+            key = status_key(self.attempt, rank)
+            if self.store.check([key]):
+                reports[rank] = json.loads(self.store.get(key))
+        return reports
+
+
+class _HangWatch(threading.Thread):
+    """Polls the workers' reports; prints notices; on a hang, remembers it and
+    signals the agent."""
+
+    def __init__(
+        self, reports: Callable[[], dict[int, dict[str, Any]]], timeout_s: float, world: int
+    ) -> None:
         super().__init__(name="ddpkit-hang-watch", daemon=True)
-        self.status, self.timeout_s, self.nproc = status, timeout_s, nproc
+        self.reports, self.judge = reports, HangJudge(timeout_s, world)
         self.hang: Any = None
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(1.0):
-            hang = find_hang(_latest_attempt(self.status), self.timeout_s, self.nproc)
-            if hang is not None:
-                self.hang = hang
-                # The agent turns SIGTERM into SignalException in the main thread and
-                # stops every worker on its way out.
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
+            with contextlib.suppress(Exception):  # an unreadable report is no verdict
+                hang, notice = self.judge.judge(self.reports())
+                if notice:
+                    print(notice, file=sys.stderr, flush=True)
+                if hang is not None:
+                    self.hang = hang
+                    # The agent turns SIGTERM into SignalException in the main thread
+                    # and stops every worker on its way out.
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+
+
+def _file_reports(status: Path) -> dict[int, dict[str, Any]]:
+    return read_reports(_latest_attempt(status))
 
 
 def _supervise(
-    torchrun_args: list[str], status: Path, hang_timeout: float, world_size: int | None
+    torchrun_args: list[str],
+    status: Path,
+    reports: Callable[[], dict[int, dict[str, Any]]],
+    hang_timeout: float,
+    world_size: int,
 ) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -201,8 +255,7 @@ def _supervise(
     from torch.distributed.run import run as torchrun
 
     parsed = parse_args(torchrun_args)  # type: ignore[no-untyped-call]
-    nproc = int(parsed.nproc_per_node)
-    watch = _HangWatch(status, hang_timeout, nproc) if hang_timeout > 0 else None
+    watch = _HangWatch(reports, hang_timeout, world_size) if hang_timeout > 0 else None
     if watch:
         watch.start()
     try:

@@ -31,3 +31,6 @@ COLLECTIVES = frozenset(
         "new_group",
     }
 )
+
+# Point-to-point calls block until the peer answers: a rank can wait in them forever too.
+POINT_TO_POINT = frozenset({"send", "recv"})

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
-from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, blame_key, find_hang
+from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, HangJudge, blame_key, read_reports
 from ddpkit.diagnosis.watchdog import Watchdog
 from ddpkit.errors import ConfigError, HangError, WorkerError
 
@@ -112,6 +112,7 @@ class _Spec:
     status_dir: str | None  # where ranks report progress, for hang diagnosis
     timeout_s: float
     log_level: int
+    parent_pid: int  # the launching process: a worker whose parent is another one exits
 
 
 def launch(
@@ -121,7 +122,7 @@ def launch(
     backend: Backend = "auto",
     init: Init = "tcp",
     timeout: float = 1800.0,
-    hang_timeout: float = DEFAULT_HANG_TIMEOUT,
+    hang_timeout: float | None = None,
 ) -> T:
     """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
@@ -137,8 +138,10 @@ def launch(
         backend: "auto" (nccl on GPUs, gloo on CPU), "gloo" or "nccl".
         init: how ranks meet: "tcp" (a store on 127.0.0.1 at a free port) or "file".
         timeout: seconds any collective may wait before it fails (torch's default, 30 min).
-        hang_timeout: seconds without progress after which the job is stopped and
-            diagnosed (0: never).
+        hang_timeout: how long ranks may wait for one that makes no progress before the
+            job is stopped and diagnosed, and how often a rank that keeps the others
+            waiting while it works is reported (0: never). At most `timeout`; default
+            300 s, or `timeout` if that is shorter.
 
     Returns:
         What `fn` returned on rank 0.
@@ -151,8 +154,18 @@ def launch(
     """
     if init not in ("tcp", "file"):
         raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
+    if hang_timeout is None:
+        hang_timeout = min(DEFAULT_HANG_TIMEOUT, timeout)
     if not hang_timeout >= 0:
         raise ConfigError(f"hang_timeout must be >= 0 seconds (got {hang_timeout}); 0 turns it off")
+    if not timeout > 0:
+        raise ConfigError(f"timeout must be > 0 seconds (got {timeout}): pass timeout=1800")
+    if hang_timeout > timeout:
+        # A collective fails at `timeout`: a longer hang_timeout would never be reached.
+        raise ConfigError(
+            f"hang_timeout ({hang_timeout:g} s) must not exceed timeout, the collective "
+            f"timeout ({timeout:g} s): pass hang_timeout={timeout:g} or less"
+        )
     if dist.is_available() and dist.is_initialized():
         # The caller set up the group itself (or we are nested): just run.
         return fn(DistContext.current(), *args)
@@ -242,6 +255,7 @@ def _spawn(
         status_dir=str(status) if status else None,
         timeout_s=timeout_s,
         log_level=logging.getLogger("ddpkit").getEffectiveLevel(),
+        parent_pid=os.getpid(),
     )
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
@@ -262,7 +276,8 @@ def _spawn(
             finally:
                 send.close()
             procs[rank], conns[rank] = proc, recv
-        return cast(T, _supervise(procs, conns, status, hang_timeout))
+        judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
+        return cast(T, _supervise(procs, conns, status, judge))
     finally:
         _stop(procs.values())
         for conn in conns.values():
@@ -285,10 +300,11 @@ def _supervise(
     procs: dict[int, BaseProcess],
     conns: dict[int, Connection],
     status: Path | None,
-    hang_timeout: float,
+    judge: HangJudge,
 ) -> Any:
     """Wait for every worker; soon after the first failure, raise the likely cause;
-    raise HangError when no rank has made progress for `hang_timeout` seconds."""
+    raise HangError when the ranks certainly cannot go on (see HangJudge), and print
+    its notices about ranks that keep the others waiting."""
     results: dict[int, Any] = {}
     failures: list[tuple[float, WorkerError]] = []
     running = dict(procs)
@@ -333,8 +349,10 @@ def _supervise(
                 failures.append((time.time(), err))
         if failures and settle_until is None:
             settle_until = time.monotonic() + _SETTLE_S
-        if status is not None and not failures and len(running) == len(procs):
-            hang = find_hang(status, hang_timeout, len(procs))
+        if status is not None and not failures:
+            hang, notice = judge.judge(read_reports(status))
+            if notice:
+                print(notice, file=sys.stderr, flush=True)
             if hang is not None:
                 raise HangError(hang.summary(len(procs)), hang.stacks())
     if failures:
@@ -390,15 +408,27 @@ def serve_store(
         raise
     fd = sock.detach()  # the store closes the socket when it is destroyed
     try:
-        return TCPStore(
-            host,
-            port,
-            world_size,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-            **kwargs,
-        )
+        try:
+            return TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+                **kwargs,
+            )
+        except NotImplementedError:  # torch 2.4-2.7: the libuv store refuses a socket
+            return TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=fd,
+                use_libuv=False,
+                **kwargs,
+            )
     except BaseException:
         os.close(fd)
         raise
@@ -413,8 +443,12 @@ def _loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this worker if the parent dies, so no orphan outlives it."""
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Ask Linux to SIGKILL this worker if the parent dies, so no orphan outlives it.
+
+    `parent_pid` is the parent that started this worker: if it died before the request
+    took effect, this worker now has another parent (init, or a subreaper such as a
+    container's or systemd's) and exits at once."""
     if sys.platform != "linux":
         return
     import ctypes
@@ -424,7 +458,7 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     except OSError:
         return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if os.getppid() != (parent_pid or os.getppid()):  # the parent died before prctl
         os._exit(1)
 
 
@@ -436,7 +470,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _worker(
     rank: int, spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 ) -> None:
-    die_with_parent()
+    die_with_parent(spec.parent_pid)
     # Ctrl-C reaches every process of the terminal; the parent alone handles it and
     # stops the workers, so they don't each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -444,8 +478,7 @@ def _worker(
     if not logging.getLogger().handlers:
         logging.basicConfig(level=spec.log_level, format=f"[rank {rank}] %(message)s")
     world = spec.world_size
-    if spec.status_dir:
-        Watchdog(Path(spec.status_dir), rank).start()
+    watchdog = Watchdog(Path(spec.status_dir), rank).start() if spec.status_dir else None
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -455,10 +488,12 @@ def _worker(
         MASTER_PORT=str(spec.store_port or 0),
     )
     lo = _loopback_interface()
-    if lo and spec.backend == "gloo":
-        # gloo listens on the address the host name resolves to; on one machine the
-        # loopback interface is enough and keeps the ranks off the network.
+    if lo:
+        # gloo listens on the address the host name resolves to, and NCCL's bootstrap
+        # on every interface; on one machine loopback is enough and keeps them off the
+        # network.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(world))
     initialised = False
@@ -485,6 +520,8 @@ def _worker(
             )
         initialised = True
         result = fn(DistContext(rank, rank, world, world, device, spec.backend), *args)
+        if watchdog is not None:
+            watchdog.finish()  # from now on it waits for the others: no longer hung
         _send(conn, ("ok", result if rank == 0 else None))
     except SystemExit as exc:
         if exc.code in (0, None):

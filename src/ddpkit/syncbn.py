@@ -60,7 +60,9 @@ class SyncBatchNorm(_BatchNorm):
             track_running_stats,
             device=device,
             dtype=dtype,
-            bias=bias,
+            # Only torch >= 2.13 knows `bias=` (a BatchNorm without bias cannot exist
+            # before it), so pass it only when it differs from the default.
+            **({} if bias else {"bias": False}),
         )
         self.process_group = process_group
 
@@ -323,7 +325,7 @@ def _to_sync(bn: _BatchNorm, process_group: dist.ProcessGroup | None) -> SyncBat
         bn.affine,
         bn.track_running_stats,
         process_group,
-        bias=bn.bias is not None,
+        bias=bn.bias is not None or not bn.affine,  # no bias to leave out without affine
     )
     if bn.affine:
         sync.weight = bn.weight

@@ -14,6 +14,8 @@ from typing import Any
 HANG_EXIT = 124
 # Seconds without progress before a job counts as hung (0 turns the check off).
 DEFAULT_HANG_TIMEOUT = 300.0
+# How long before the collective timeout an uncertain wait is stopped and reported.
+_EARLY_S = 3.0
 
 # Words of errors a rank raises because a peer died, not because it failed itself.
 _PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")
@@ -34,6 +36,11 @@ def blame_key(exitcode: int | None, message: str, when: float) -> tuple[int, flo
     return (2 if any(word in message for word in _PEER_LOST) else 1, when)
 
 
+def status_key(attempt: int, rank: int) -> str:
+    """The store key of a rank's report (jobs on several machines report through it)."""
+    return f"ddpkit/status/{attempt}/{rank}"
+
+
 def read_reports(folder: Path, suffix: str = ".json") -> dict[int, dict[str, Any]]:
     """rank -> report, for files `rank<N><suffix>` in `folder` (unreadable ones skipped)."""
     reports: dict[int, dict[str, Any]] = {}
@@ -50,28 +57,18 @@ def read_reports(folder: Path, suffix: str = ".json") -> dict[int, dict[str, Any
 
 @dataclass
 class Hang:
-    """Evidence that no rank has made progress for `stalled_s` seconds."""
+    """Evidence that the job cannot go on: why, and every rank's last report."""
 
     statuses: dict[int, dict[str, Any]]
-    stalled_s: float
+    why: str
+    now: float
 
     def summary(self, world_size: int | None = None) -> str:
         """A few lines: where each rank is, and who is missing from which collective."""
         ranks = sorted(self.statuses)
-        lines = [
-            f"ddpkit: the job is hung: no rank has made progress for {self.stalled_s:.0f} s. "
-            "Where each rank is:"
-        ]
+        lines = [f"ddpkit: the job is hung: {self.why}. Where each rank is:"]
         for rank in ranks:
-            status = self.statuses[rank]
-            coll = status.get("collective")
-            if coll:
-                lines.append(
-                    f"  rank {rank}: in {coll['name']} (collective #{coll['seq']}) "
-                    f"at {coll['where']}"
-                )
-            else:
-                lines.append(f"  rank {rank}: not in a collective, at {status.get('where', '?')}")
+            lines.append(f"  rank {rank}: {_describe(self.statuses[rank], self.now)}")
         lines += self._missing(ranks if world_size is None else list(range(world_size)))
         return "\n".join(lines)
 
@@ -100,20 +97,142 @@ class Hang:
         parts = []
         for rank in sorted(self.statuses):
             stack = "".join(self.statuses[rank].get("stack", []))
+            if self.statuses[rank].get("state") == "finished":
+                stack = "(finished)\n"
             parts.append(f"--- Python stack of rank {rank} (most recent call last) ---\n{stack}")
         return "\n".join(parts).rstrip()
 
 
-def find_hang(
-    folder: Path, timeout_s: float, expected: int, now: float | None = None
-) -> Hang | None:
-    """A Hang when all `expected` ranks report and none progressed for `timeout_s`."""
-    statuses = read_reports(folder)
-    if timeout_s <= 0 or len(statuses) < expected:
-        return None
-    now = time.time() if now is None else now
-    stalled = min(now - float(s.get("progress", now)) for s in statuses.values())
-    return Hang(statuses, stalled) if stalled >= timeout_s else None
+def _describe(status: dict[str, Any], now: float) -> str:
+    coll = status.get("collective")
+    if status.get("state") == "finished":
+        return f"finished {now - float(status['since']):.0f} s ago"
+    if coll:
+        return f"in {coll['name']} (collective #{coll['seq']}) at {coll['where']}"
+    return f"not in a collective, at {status.get('where', '?')}"
+
+
+class HangJudge:
+    """Decides, from the ranks' reports, whether the job is certainly stuck.
+
+    A rank waits when it is in a collective (or send/recv) or has finished. Once some
+    rank has waited `hang_timeout` seconds, the others decide:
+    - every other rank waits too, or is parked (the same line, no CPU, no reading, no
+      child process, for `hang_timeout` s): nothing can move any more: a hang;
+    - some rank works (CPU, reading data, a live child process, rank_zero_first): a
+      notice every `hang_timeout` s, never a stop;
+    - some rank polls (its stack moves, but it uses no CPU): uncertain: notices, and a
+      stop once the waiting has lasted `collective_timeout` s (the collectives would
+      fail then anyway).
+    A rank whose report is missing (a node not seen yet) stops any decision.
+    """
+
+    def __init__(
+        self, hang_timeout: float, world_size: int, collective_timeout: float | None = None
+    ) -> None:
+        self.timeout, self.world_size = hang_timeout, world_size
+        self.collective_timeout = collective_timeout
+        self._noticed = 0.0
+
+    def judge(
+        self, statuses: dict[int, dict[str, Any]], now: float | None = None
+    ) -> tuple[Hang | None, str | None]:
+        """(a Hang to stop the job for, or None; a notice to print, or None)."""
+        now = time.time() if now is None else now
+        if self.timeout <= 0 or any(r not in statuses for r in range(self.world_size)):
+            return None, None
+        kinds = {rank: self._kind(s, now) for rank, s in statuses.items()}
+        waiters = [r for r, k in kinds.items() if k in ("waiting", "finished")]
+        others = [r for r, k in kinds.items() if k not in ("waiting", "finished")]
+        if not waiters or all(k == "finished" for k in kinds.values()):
+            return None, None
+        waited = now - min(float(_since(statuses[r])) for r in waiters)
+        if waited < self.timeout:
+            return None, None
+        hang = Hang(statuses, "", now)
+        if all(kinds[r] == "parked" for r in others):
+            hang.why = self._why(statuses, kinds, waiters, others, waited)
+            return hang, None
+        # Just before the collectives would fail on their own, so that the report says why.
+        limit = None if self.collective_timeout is None else self.collective_timeout - _EARLY_S
+        if limit is not None and waited >= limit and all(kinds[r] != "working" for r in others):
+            hang.why = (
+                f"{_ranks(waiters)} waited {waited:.0f} s, the collective timeout, while "
+                f"{_ranks(others)} kept polling without using the CPU; stopped at the "
+                "collective timeout"
+            )
+            return hang, None
+        expected = all(statuses[r].get("expected_work") for r in others) and all(
+            (statuses[r].get("collective") or {}).get("expected") for r in waiters
+        )
+        if expected or now - self._noticed < self.timeout:
+            return None, None
+        self._noticed = now
+        return None, self._notice(statuses, kinds, waiters, others, waited, now)
+
+    def _kind(self, status: dict[str, Any], now: float) -> str:
+        if status.get("state") == "finished":
+            return "finished"
+        if status.get("collective"):
+            return "waiting"
+        if now - float(status.get("active", now)) < self.timeout:
+            return "working"
+        if now - float(status.get("moved", now)) < self.timeout:
+            return "polling"
+        return "parked"
+
+    @staticmethod
+    def _why(
+        statuses: dict[int, dict[str, Any]],
+        kinds: dict[int, str],
+        waiters: list[int],
+        others: list[int],
+        waited: float,
+    ) -> str:
+        if others:
+            return (
+                f"{_ranks(waiters)} waited {waited:.0f} s while {_ranks(others)} stayed at one "
+                "line without using the CPU, reading data or running a child process"
+            )
+        names = {
+            (s["collective"]["seq"], s["collective"]["name"])
+            for s in statuses.values()
+            if s.get("collective")
+        }
+        if any(k == "finished" for k in kinds.values()):
+            stuck = [r for r in waiters if kinds[r] == "waiting"]
+            return f"{_ranks(stuck)} waited {waited:.0f} s for ranks that have finished"
+        if len(names) > 1:
+            return f"the ranks have waited {waited:.0f} s in different collectives"
+        return f"every rank has waited {waited:.0f} s in the same collective"
+
+    @staticmethod
+    def _notice(
+        statuses: dict[int, dict[str, Any]],
+        kinds: dict[int, str],
+        waiters: list[int],
+        others: list[int],
+        waited: float,
+        now: float,
+    ) -> str:
+        busy = "; ".join(
+            f"rank {r} is {'working' if kinds[r] == 'working' else kinds[r]} at "
+            f"{statuses[r].get('where', '?')}"
+            for r in others
+        )
+        waits = "; ".join(f"rank {r}: {_describe(statuses[r], now)}" for r in waiters)
+        hint = (
+            ""
+            if all(kinds[r] == "working" for r in others)
+            else " (it is not using the CPU: if it waits for something that never comes, "
+            "the job stops at the collective timeout)"
+        )
+        return f"ddpkit: notice: for {waited:.0f} s, {busy}{hint}; waiting: {waits}"
+
+
+def _since(status: dict[str, Any]) -> float:
+    coll = status.get("collective")
+    return float(coll["since"] if coll else status.get("since", status.get("sampled", 0.0)))
 
 
 def _ranks(ranks: list[int]) -> str:

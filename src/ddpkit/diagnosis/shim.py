@@ -8,11 +8,14 @@ user's script or module as `__main__`, exactly as `python SCRIPT` would.
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def _status_folder() -> Path | None:
@@ -25,11 +28,29 @@ def _status_folder() -> Path | None:
     return folder
 
 
+def _store_publisher(rank: int) -> Callable[[dict[str, Any]], None] | None:
+    """With several nodes, reports also go to the rendezvous store (see ddpkit.agent)."""
+    address = os.environ.get("DDPKIT_STATUS_STORE")
+    if not address:
+        return None
+    from datetime import timedelta
+
+    from ddpkit.diagnosis.report import status_key
+    from ddpkit.launcher import TCPStore
+
+    host, _, port = address.rpartition(":")
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    key = status_key(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), rank)
+    return lambda report: store.set(key, json.dumps(report))
+
+
 def main() -> None:
     from ddpkit.diagnosis.watchdog import Watchdog, record_error
     from ddpkit.launcher import die_with_parent, exit_now
 
-    die_with_parent()  # never outlive the agent, even if it is killed with SIGKILL
+    # Never outlive the agent, even if it is killed with SIGKILL.
+    parent = os.environ.get("DDPKIT_PARENT_PID")
+    die_with_parent(int(parent) if parent else None)
     args = sys.argv[1:]
     as_module = bool(args) and args[0] == "-m"
     if as_module:
@@ -37,8 +58,9 @@ def main() -> None:
     target, rest = args[0], args[1:]
     rank = int(os.environ.get("RANK", "0"))
     folder = _status_folder()
+    watchdog = None
     if folder is not None and float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
-        Watchdog(folder, rank).start()
+        watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
     sys.argv = [target, *rest]
     code = 0
     try:
@@ -59,6 +81,8 @@ def main() -> None:
         code = 1
         if folder is not None:
             record_error(folder, rank, exc)
+    if code == 0 and watchdog is not None:
+        watchdog.finish()  # it now waits for the others: not hung
     # Like a spawned worker of `launch`: no interpreter shutdown, which gloo's threads
     # can turn into an abort (SIGABRT) even after a clean run.
     exit_now(code)

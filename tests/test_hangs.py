@@ -1,0 +1,197 @@
+"""Hang diagnosis with real processes: what is certainly stuck is stopped within
+`hang_timeout` (+ 10 s), and a rank that works is never stopped, only reported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+from ddpkit import Callback, DistContext, HangError, TrainConfig, Trainer, launch
+from tests.conftest import ROOT
+
+HANG_TIMEOUT = 5.0
+
+
+def _matmuls(seconds: float) -> None:
+    """Work in C: large matrix products for `seconds`."""
+    a = torch.randn(256, 256)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        a = torch.tanh(a @ a)
+
+
+def _compute_first(ctx: DistContext) -> str:
+    with ddpkit.rank_zero_first(ctx):
+        if ctx.rank == 0:
+            _matmuls(20)
+    dist.barrier()
+    return "done"
+
+
+def test_a_long_computation_in_rank_zero_first_completes(capfd: pytest.CaptureFixture[str]) -> None:
+    assert launch(_compute_first, nprocs=2, hang_timeout=HANG_TIMEOUT) == "done"
+    assert "notice" not in capfd.readouterr().err  # the wait is expected: no notice
+
+
+def _subprocess_then_barrier(ctx: DistContext) -> str:
+    if ctx.rank == 0:
+        subprocess.run(["sleep", "20"], check=True)
+    dist.barrier()
+    return "done"
+
+
+def test_a_rank_waiting_on_a_child_process_is_not_stopped(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    assert launch(_subprocess_then_barrier, nprocs=2, hang_timeout=HANG_TIMEOUT) == "done"
+    err = capfd.readouterr().err
+    assert "ddpkit: notice:" in err and "rank 0 is working" in err
+    assert "rank 1: in barrier" in err
+
+
+def _recv_never_sent(ctx: DistContext) -> None:
+    if ctx.rank == 0:
+        dist.recv(torch.zeros(1), src=1)
+    dist.barrier()
+
+
+def _sleep_forever(ctx: DistContext) -> None:
+    if ctx.rank == 0:
+        time.sleep(10**6)
+    dist.barrier()
+
+
+def _mismatch(ctx: DistContext) -> None:
+    t = torch.ones(1)
+    for step in range(10**9):
+        dist.all_reduce(t)
+        if ctx.rank == 0 and step == 2:
+            dist.barrier()
+
+
+@pytest.mark.parametrize(
+    ("fn", "words"),
+    [
+        (_mismatch, ["rank 0 waits in barrier #4; rank 1 never reached it"]),
+        (_recv_never_sent, ["rank 0: in recv", "rank 1: in barrier"]),
+        (_sleep_forever, ["rank 1: in barrier", "rank 0: not in a collective", "time.sleep"]),
+    ],
+)
+def test_a_true_hang_is_stopped_within_the_hang_timeout(fn: object, words: list[str]) -> None:
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        launch(fn, nprocs=2, hang_timeout=HANG_TIMEOUT)  # type: ignore[arg-type]
+    assert time.monotonic() - start < HANG_TIMEOUT + 10 + 5  # + start-up
+    text = f"{info.value.summary}\n{info.value.stacks}"
+    for word in words:
+        assert word in text, text
+
+
+class _SleepAtTheEnd(Callback):
+    def on_fit_end(self, trainer: Trainer, result: object) -> None:
+        if trainer.ctx.rank == 1:
+            time.sleep(10**6)
+
+
+def _fit_then_sleep(ctx: DistContext) -> None:
+    ddpkit.seed_everything(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(32, 4)
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        TensorDataset(x, x.sum(1, keepdim=True)),
+        ctx,
+        TrainConfig(epochs=1, batch_size=8),
+        loss_fn=nn.functional.mse_loss,
+        callbacks=[_SleepAtTheEnd()],
+        log_fn=lambda s: None,
+    ).fit()
+
+
+def test_a_rank_that_never_finishes_after_another_returned_is_stopped() -> None:
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        launch(_fit_then_sleep, nprocs=2, hang_timeout=HANG_TIMEOUT)
+    assert time.monotonic() - start < HANG_TIMEOUT + 10 + 5
+    assert "rank 0: finished" in info.value.summary
+    assert "on_fit_end" in info.value.stacks
+
+
+def _poll(ctx: DistContext) -> None:
+    if ctx.rank == 0:
+        while True:  # waits for a file that never comes
+            time.sleep(0.2)
+    dist.barrier()
+
+
+def test_a_polling_rank_gets_notices_then_stops_at_the_collective_timeout(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        launch(_poll, nprocs=2, hang_timeout=HANG_TIMEOUT, timeout=20)
+    elapsed = time.monotonic() - start
+    assert 20 - 3 <= elapsed < 20 + 10 + 5
+    assert "stopped at the collective timeout" in info.value.summary
+    assert "rank 0 is polling" in capfd.readouterr().err
+
+
+def test_hang_timeout_may_not_exceed_the_collective_timeout() -> None:
+    with pytest.raises(ddpkit.ConfigError, match="must not exceed timeout"):
+        launch(_poll, nprocs=2, hang_timeout=60, timeout=30)
+
+
+# -- smaller defects ---------------------------------------------------------------------
+def _socket_env(ctx: DistContext) -> dict[str, str | None]:
+    import os
+
+    return {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+
+
+def test_nccl_and_gloo_sockets_stay_on_loopback() -> None:
+    assert launch(_socket_env, nprocs=2) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def test_a_worker_whose_parent_is_not_the_launcher_exits() -> None:
+    # A worker adopted by a subreaper (or init) before it asked to die with its parent
+    # must notice: its parent is no longer the process that started it.
+    code = "from ddpkit.launcher import die_with_parent; die_with_parent(1); print('alive')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and "alive" not in out.stdout
+
+
+LAST_WORDS = """
+import sys
+import ddpkit
+
+def main(ctx):
+    sys.stdout.write(f"last words of rank {ctx.rank}")  # no newline, no flush
+
+if __name__ == "__main__":
+    ddpkit.launch(main, nprocs=2)
+"""
+
+
+def test_a_workers_last_print_survives(tmp_path: Path) -> None:
+    script = tmp_path / "last.py"
+    script.write_text(LAST_WORDS)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "last words of rank 0" in out.stdout and "last words of rank 1" in out.stdout
+
+
+def test_hang_error_is_exported() -> None:
+    assert ddpkit.HangError is HangError
+    assert "HangError" in ddpkit.__all__
