@@ -37,6 +37,7 @@ def _compute_first(ctx: DistContext) -> str:
     return "done"
 
 
+@pytest.mark.slow
 def test_a_long_computation_in_rank_zero_first_completes(capfd: pytest.CaptureFixture[str]) -> None:
     assert launch(_compute_first, nprocs=2, hang_timeout=HANG_TIMEOUT) == "done"
     assert "notice" not in capfd.readouterr().err  # the wait is expected: no notice
@@ -49,6 +50,7 @@ def _subprocess_then_barrier(ctx: DistContext) -> str:
     return "done"
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_on_a_child_process_is_not_stopped(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -134,6 +136,7 @@ def _poll(ctx: DistContext) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_polling_rank_gets_notices_then_stops_at_the_collective_timeout(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
@@ -167,7 +170,7 @@ def test_a_worker_whose_parent_is_not_the_launcher_exits() -> None:
     # must notice: its parent is no longer the process that started it.
     code = "from ddpkit.launcher import die_with_parent; die_with_parent(1); print('alive')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 1 and "alive" not in out.stdout
+    assert out.returncode == 1 and "alive" not in out.stdout and out.stderr == ""
 
 
 LAST_WORDS = """
@@ -195,3 +198,11 @@ def test_a_workers_last_print_survives(tmp_path: Path) -> None:
 def test_hang_error_is_exported() -> None:
     assert ddpkit.HangError is HangError
     assert "HangError" in ddpkit.__all__
+
+
+def test_info_warns_about_a_torch_outside_the_tested_range() -> None:
+    from ddpkit.cli.info import torch_problem
+
+    assert torch_problem("2.6.0+cu124") is None and torch_problem("2.13.0+cpu") is None
+    assert "outside the range ddpkit is tested on (2.6 to 2.15)" in str(torch_problem("2.5.1"))
+    assert torch_problem("3.0.0") is not None

@@ -11,6 +11,8 @@ import socket
 from typing import Any
 
 HELP = "show what this machine offers for distributed training (devices, backends, problems)"
+# The torch releases CI tests: the oldest that pyproject.toml admits, and the newest tried.
+TORCH_TESTED = ((2, 6), (2, 15))
 # A GPU with less than this share of its memory free is probably busy with another job.
 _BUSY_FREE_SHARE = 0.5
 
@@ -19,6 +21,18 @@ def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser("info", help=HELP, description=HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+def torch_problem(version: str) -> str | None:
+    """Why torch `version` ("2.6.0+cu124") may not work with ddpkit, or None."""
+    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+    if TORCH_TESTED[0] <= release <= TORCH_TESTED[1]:
+        return None
+    low, high = (".".join(map(str, v)) for v in TORCH_TESTED)
+    return (
+        f"torch {version} is outside the range ddpkit is tested on ({low} to {high}): "
+        f"install a release in it, e.g. pip install 'torch>={low},<={high}.*'"
+    )
 
 
 def gather() -> dict[str, Any]:
@@ -48,6 +62,9 @@ def gather() -> dict[str, Any]:
                     f"GPU {i} has only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free: another "
                     "job may be using it (see nvidia-smi), or hide it with CUDA_VISIBLE_DEVICES"
                 )
+    untested = torch_problem(torch.__version__)
+    if untested:
+        problems.append(untested)
     backends = {
         "gloo": dist.is_available() and dist.is_gloo_available(),
         "nccl": dist.is_available() and dist.is_nccl_available(),
