@@ -161,14 +161,10 @@ def loopback_store(world_size: int) -> Any:
     sock.bind((LOOPBACK, 0))
     sock.listen(1024)
     port = sock.getsockname()[1]
-    return TCPStore(
-        LOOPBACK,
-        port,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
+    options = {"is_master": True, "wait_for_workers": False, "master_listen_fd": sock.detach()}
+    if (2, 4) <= tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8):
+        options["use_libuv"] = False  # its libuv store refuses a socket handed to it
+    return TCPStore(LOOPBACK, port, world_size, **options)
 
 
 def ddp_setup(rank: int, world_size: int, store_port: int, backend: str = "gloo") -> None:

@@ -109,15 +109,16 @@ def _model64() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).double()
 
 
-def _fit_uneven(ctx: DistContext, accumulate: int) -> list[Any]:
+def _fit_adamw(ctx: DistContext, data: Any, epochs: int, accumulate: int) -> list[Any]:
+    """AdamW with a per-step scheduler on a float64 MLP; every rank's end state."""
     model = _model64()
     opt, sched = _adamw(model)
     trainer = Trainer(
         model,
         opt,
-        _UnevenStream(ctx.rank),
+        data,
         ctx,
-        TrainConfig(epochs=2, batch_size=4, accumulate=accumulate, scheduler_interval="step"),
+        TrainConfig(epochs=epochs, batch_size=4, accumulate=accumulate, scheduler_interval="step"),
         loss_fn=nn.functional.mse_loss,
         scheduler=sched,
         log_fn=lambda s: None,
@@ -125,6 +126,10 @@ def _fit_uneven(ctx: DistContext, accumulate: int) -> list[Any]:
     fit = trainer.fit()
     params = [p.detach().clone() for p in unwrap(trainer.model).parameters()]
     return _all_ranks(ctx, {**_state(trainer), "params": params, "steps": fit.global_step})
+
+
+def _fit_uneven(ctx: DistContext, accumulate: int) -> list[Any]:
+    return _fit_adamw(ctx, _UnevenStream(ctx.rank), 2, accumulate)
 
 
 def _batches(indices: list[int], batch: int) -> list[list[int]]:
@@ -176,39 +181,11 @@ def test_an_iterable_of_unknown_length_averages_its_short_last_group() -> None:
 
 def _fit_one_stream(ctx: DistContext) -> list[Any]:
     # rank 0 of a one-process job reads rank 1's shard of 23 samples
-    model = _model64()
-    opt, sched = _adamw(model)
-    trainer = Trainer(
-        model,
-        opt,
-        _UnevenStream(1),
-        ctx,
-        TrainConfig(epochs=2, batch_size=4, accumulate=4, scheduler_interval="step"),
-        loss_fn=nn.functional.mse_loss,
-        scheduler=sched,
-        log_fn=lambda s: None,
-    )
-    fit = trainer.fit()
-    params = [p.detach().clone() for p in unwrap(trainer.model).parameters()]
-    return [{"params": params, "steps": fit.global_step}]
+    return _fit_adamw(ctx, _UnevenStream(1), 2, 4)
 
 
 def _fit_even(ctx: DistContext) -> list[Any]:
-    model = _model64()
-    opt, sched = _adamw(model)
-    trainer = Trainer(
-        model,
-        opt,
-        _regression(96, dtype=torch.float64),
-        ctx,
-        TrainConfig(epochs=1, batch_size=4, accumulate=5, scheduler_interval="step"),
-        loss_fn=nn.functional.mse_loss,
-        scheduler=sched,
-        log_fn=lambda s: None,
-    )
-    fit = trainer.fit()
-    params = [p.detach().clone() for p in unwrap(trainer.model).parameters()]
-    return _all_ranks(ctx, {**_state(trainer), "params": params, "steps": fit.global_step})
+    return _fit_adamw(ctx, _regression(96, dtype=torch.float64), 1, 5)
 
 
 def test_a_short_last_group_is_averaged_over_its_own_size() -> None:

@@ -274,8 +274,9 @@ def test_a_clean_script_with_arguments_runs_on_every_rank(tmp_path: Path) -> Non
         "hello.py",
         """
         import os, sys
-        print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], sys.argv[1:],
-              "threads", os.environ["OMP_NUM_THREADS"])
+        # one write per line, so that the ranks' lines cannot interleave
+        line = f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} {sys.argv[1:]}"
+        print(f"{line} threads {os.environ['OMP_NUM_THREADS']}", flush=True)
     """,
     )
     out = run_cli("run", "--nproc", "2", str(script), "--lr", "0.1")

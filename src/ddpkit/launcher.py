@@ -47,6 +47,10 @@ T = TypeVar("T")
 Backend = Literal["auto", "gloo", "nccl"]
 Init = Literal["tcp", "file"]
 
+# torch 2.4 to 2.7 serve the store with libuv, which refuses a socket handed to it
+# (asking first and retrying is not safe: the failed attempt may close the socket).
+_LIBUV_REFUSES_SOCKETS = (2, 4) <= tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8)
+
 # Seconds a worker gets to exit after SIGTERM before it is killed.
 _GRACE_S = 3.0
 _LOOPBACK = "127.0.0.1"
@@ -286,6 +290,8 @@ def _spawn(
         del store
 
 
+# After every rank has returned its result, how long a worker may take to exit.
+_EXIT_GRACE_S = 10.0
 # After the first failure, how long to keep listening so that the true cause (say a
 # rank killed by a signal, seen only when it is reaped) can arrive before we blame one.
 _SETTLE_S = 1.0
@@ -326,9 +332,15 @@ def _supervise(
                 message = f"rank {rank} raised {exc_type}: {text}"
                 failures.append((when, WorkerError(rank, message, exc_type=exc_type, traceback=tb)))
 
+    all_done_at: float | None = None
     while running:
         now = time.monotonic()
         if settle_until is not None and now >= settle_until:
+            break
+        if all_done_at is not None and now - all_done_at > _EXIT_GRACE_S:
+            # Every rank returned its result; one still tearing down its process group
+            # (gloo can hang there on some torch releases) must not hold the job.
+            _stop(running.values())
             break
         handles: list[Any] = [p.sentinel for p in running.values()]
         handles += list(open_conns.values())
@@ -349,6 +361,8 @@ def _supervise(
                 failures.append((time.time(), err))
         if failures and settle_until is None:
             settle_until = time.monotonic() + _SETTLE_S
+        if all_done_at is None and len(results) == len(procs):
+            all_done_at = time.monotonic()
         if status is not None and not failures:
             hang, notice = judge.judge(read_reports(status))
             if notice:
@@ -407,28 +421,11 @@ def serve_store(
         sock.close()
         raise
     fd = sock.detach()  # the store closes the socket when it is destroyed
+    options = {"is_master": True, "wait_for_workers": False, "master_listen_fd": fd, **kwargs}
+    if _LIBUV_REFUSES_SOCKETS:
+        options["use_libuv"] = False
     try:
-        try:
-            return TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=True,
-                wait_for_workers=False,
-                master_listen_fd=fd,
-                **kwargs,
-            )
-        except NotImplementedError:  # torch 2.4-2.7: the libuv store refuses a socket
-            return TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=True,
-                wait_for_workers=False,
-                master_listen_fd=fd,
-                use_libuv=False,
-                **kwargs,
-            )
+        return TCPStore(host, port, world_size, **options)
     except BaseException:
         os.close(fd)
         raise

@@ -9,11 +9,13 @@ function, is this a DDP script, does this call run on every rank or only on some
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from ddpkit.check.callgraph import CallGraph, Context
+from ddpkit.check.callgraph import CallGraph, Context, Unit
 from ddpkit.check.index import Guard, Index, Scope, Site, build_index
+from ddpkit.check.linking import Link
 from ddpkit.check.names import tail
 from ddpkit.check.ranks import RankModel
 
@@ -46,10 +48,27 @@ class RankOnly:
 
 
 class FileAnalysis:
-    def __init__(self, tree: ast.Module) -> None:
+    """One file; checked with a folder, it also sees the files it imports or is imported by.
+
+    `links` binds local names to other checked files (see `linking.py`), `linked_names`
+    are the names those files may provide; `program.py` fills in `peers` (the files
+    analysed together with this one, itself included) and the shared call graph;
+    `release()` drops them once the rules have run.
+    """
+
+    def __init__(
+        self,
+        tree: ast.Module,
+        links: dict[str, Link] | None = None,
+        linked_names: frozenset[str] = frozenset(),
+    ) -> None:
         self.tree = tree
-        self.index: Index = build_index(tree)
+        self.index: Index = build_index(tree, linked_names)
         self.imports = self.index.imports
+        self.links: dict[str, Link] = links or {}
+        # Empty when checked alone (a list holding `self` would be a reference cycle).
+        self.peers: list[FileAnalysis] = []
+        self.shared_callgraph: Callable[[], CallGraph] | None = None
         self.calls_by_tail: dict[str, list[Site]] = {}
         for site in self.index.calls:
             name = tail(site.call.func)
@@ -61,8 +80,24 @@ class FileAnalysis:
         return RankModel(self.index)
 
     @cached_property
+    def unit(self) -> Unit:
+        return Unit(self.index, self.ranks, self.links)
+
+    @cached_property
     def callgraph(self) -> CallGraph:
-        return CallGraph(self.index, self.ranks)
+        if self.shared_callgraph is not None:
+            return self.shared_callgraph()
+        return CallGraph([self.unit])
+
+    def release(self) -> None:
+        """Drop the links to the other files (they form reference cycles)."""
+        self.peers = []
+        self.shared_callgraph = None
+        self.__dict__.pop("callgraph", None)
+
+    def program_mentions(self, name: str) -> bool:
+        """True when `name` is read outside `except` in this file or a file analysed with it."""
+        return any(name in peer.index.seen for peer in self.peers or [self])
 
     # -- finding calls ----------------------------------------------------------------
 

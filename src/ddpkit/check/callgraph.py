@@ -1,29 +1,34 @@
-"""Where a function of this file runs: on every rank, only behind a rank check, or unknown.
+"""Where a function runs: on every rank, only behind a rank check, or unknown.
 
 The DDP tutorial's `Trainer._save_checkpoint` holds a bare `torch.save`, yet it is fine:
 its one caller calls it under `if self.gpu_id == 0`. A collective in the same
-method would hang. So each function gets a context from the places that mention it:
+method would hang. So each function gets a context from the places that mention it,
+in its own file and in the other checked files that import it:
 
 - ALL: some chain of unguarded calls reaches it from module level (or from
   `mp.spawn(main, ...)`, which runs `main` on every rank).
-- GUARDED: it is mentioned, and every mention is behind a rank condition or inside
-  a GUARDED function (or it is decorated `@rank_zero_only`).
-- UNKNOWN: neither (never mentioned, or called from code we cannot place). Rules
-  stay silent about UNKNOWN code.
+- GUARDED: every path to it passes a rank test: each mention is behind a rank
+  condition or inside a function already known to be GUARDED (or it is decorated
+  `@rank_zero_only`). A function that only calls itself is not GUARDED.
+- UNKNOWN: neither. Rules stay silent about UNKNOWN code.
 
-Calls are matched by name: `f()` to functions named f, `self.m()` to the method of
-the enclosing class, `x.m()` to x's class when `x = SomeClass(...)` is in sight, and
-otherwise to every method named m (more callers can only make a function less
-GUARDED, so this errs towards silence).
+Calls are matched to what they call: `f()` to the function f of this file or the
+one it imports, `mod.f()` to f in the imported module, `self.m()` to the method of
+the enclosing class, `x.m()` to x's class when `x = SomeClass(...)` is in sight.
+Otherwise `x.m()` matches every method named m by name alone; such a guess never
+makes a function ALL nor GUARDED, it only keeps it from being GUARDED.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from enum import Enum
 
-from ddpkit.check.index import Guard, Index, Ref, Scope
+from ddpkit.check.index import ClassInfo, Guard, Index, Ref, Scope
+from ddpkit.check.linking import Link
+from ddpkit.check.names import dotted
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS, RankModel
 
 
@@ -42,104 +47,206 @@ class Witness:
     via: Scope | None  # set when the mention sits inside another GUARDED function
 
 
+@dataclass(eq=False)
+class Unit:
+    """One checked file as the call graph sees it."""
+
+    index: Index
+    ranks: RankModel
+    links: dict[str, Link] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _Edge:
+    ref: Ref
+    owner: Scope | None  # the function the mention sits in (None at module level)
+    guard: Guard | None
+    exact: bool  # False when matched by the method name alone
+
+
+_Class = tuple[Unit, ClassInfo]
+_MAX_HOPS = 4  # re-exports followed through `__init__.py` files
+
+
 class CallGraph:
-    def __init__(self, index: Index, ranks: RankModel) -> None:
-        self._index = index
-        self._ranks = ranks
-        self._types = self._instance_types()
-        self._functions_named: dict[str, list[Scope]] = {}
-        for fn in index.functions:
-            if not fn.is_method:
-                self._functions_named.setdefault(fn.name, []).append(fn)
-        self._incoming: dict[Scope, list[Ref]] = {fn: [] for fn in index.functions}
-        for ref in index.refs:
-            for target in self._targets(ref):
-                self._incoming[target].append(ref)
-        self._guard_of: dict[int, Guard | None] = {
-            id(ref): ranks.rank_guard(ref.guards, ref.scope) for ref in index.refs
+    def __init__(self, units: Sequence[Unit]) -> None:
+        self._units = list(units)
+        self._functions_named: dict[int, dict[str, list[Scope]]] = {}
+        self._methods_named: dict[int, dict[str, list[Scope]]] = {}
+        self._unit_of: dict[int, Unit] = {}
+        for unit in self._units:
+            named: dict[str, list[Scope]] = {}
+            for fn in unit.index.functions:
+                if not fn.is_method:
+                    named.setdefault(fn.name, []).append(fn)
+            self._functions_named[id(unit)] = named
+            methods: dict[str, list[Scope]] = {}
+            for info in unit.index.classes.values():
+                for name, method in info.methods.items():
+                    methods.setdefault(name, []).append(method)
+            self._methods_named[id(unit)] = methods
+        self._types: dict[tuple[Scope, str], _Class] = {}
+        for unit in self._units:
+            self._instance_types(unit)
+        self._incoming: dict[Scope, list[_Edge]] = {
+            fn: [] for unit in self._units for fn in unit.index.functions
         }
+        for unit in self._units:
+            for ref in unit.index.refs:
+                targets, exact = self._targets(unit, ref)
+                if not targets:
+                    continue
+                owner = None if ref.scope.is_module else ref.scope
+                edge = _Edge(ref, owner, unit.ranks.rank_guard(ref.guards, ref.scope), exact)
+                for target in targets:
+                    self._incoming[target].append(edge)
         self._context: dict[Scope, Context] = {}
         self._witness: dict[Scope, Witness] = {}
         self._solve()
 
     # -- resolution -------------------------------------------------------------------
 
-    def _instance_types(self) -> dict[tuple[Scope | None, str], str]:
-        """`x = Trainer(...)` -> (scope, "x"): "Trainer"; `self.t = Trainer(...)` -> (None, "t")."""
-        classes = self._index.classes
-        types: dict[tuple[Scope | None, str], str] = {}
-        for a in self._index.assignments:
+    def _linked(self, unit: Unit, name: str) -> tuple[Unit, str | None] | None:
+        """The file (and member) a local name is imported from, through re-exports."""
+        link = unit.links.get(name)
+        hops = 0
+        while link is not None:
+            target = self._units[link.target]
+            if link.member is None:
+                return target, None
+            member: str = link.member
+            index = target.index
+            if member in index.classes or member in self._functions_named[id(target)]:
+                return target, member
+            hops += 1
+            if hops > _MAX_HOPS:
+                return None
+            link = target.links.get(member)
+        return None
+
+    def _module_of(self, unit: Unit, expr: ast.expr) -> Unit | None:
+        """The checked file that `expr` (`utils`, `util.misc`) names, if any."""
+        name = dotted(expr)
+        if name is None or name not in unit.links:
+            return None
+        found = self._linked(unit, name)
+        return found[0] if found is not None and found[1] is None else None
+
+    def _class_named(self, unit: Unit, name: str) -> _Class | None:
+        info = unit.index.classes.get(name)
+        if info is not None:
+            return unit, info
+        found = self._linked(unit, name)
+        if found is None or found[1] is None:
+            return None
+        cls = found[0].index.classes.get(found[1])
+        return (found[0], cls) if cls is not None else None
+
+    def _class_of(self, unit: Unit, func: ast.expr) -> _Class | None:
+        """The class that a call of `func` constructs (`Trainer`, `utils.MetricLogger`)."""
+        if isinstance(func, ast.Name):
+            return self._class_named(unit, func.id)
+        if isinstance(func, ast.Attribute):
+            module = self._module_of(unit, func.value)
+            if module is not None:
+                info = module.index.classes.get(func.attr)
+                return (module, info) if info is not None else None
+        return None
+
+    def _instance_types(self, unit: Unit) -> None:
+        """`x = Trainer(...)` -> (scope, "x"); `self.t = Trainer(...)` -> (module, "t")."""
+        for a in unit.index.assignments:
             value = a.value
-            if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
+            if not isinstance(value, ast.Call):
                 continue
-            if value.func.id not in classes:
+            cls = self._class_of(unit, value.func)
+            if cls is None:
                 continue
             if isinstance(a.target, ast.Name):
-                types[(a.scope, a.target.id)] = value.func.id
+                self._types[(a.scope, a.target.id)] = cls
             elif isinstance(a.target, ast.Attribute):
-                types[(None, a.target.attr)] = value.func.id
-        return types
+                self._types.setdefault((unit.index.module, a.target.attr), cls)
 
-    def _methods(self, class_name: str, name: str, seen: set[str] | None = None) -> list[Scope]:
-        """Method `name` of `class_name`, looking through base classes of this file."""
-        info = self._index.classes.get(class_name)
-        if info is None:
-            return []
+    def _methods(self, cls: _Class, name: str, seen: set[int] | None = None) -> list[Scope]:
+        """Method `name` of a class, looking through its base classes among checked files."""
+        unit, info = cls
         method = info.methods.get(name)
         if method is not None:
             return [method]
         seen = seen if seen is not None else set()
-        seen.add(class_name)
+        seen.add(id(info))
         found: list[Scope] = []
         for base in info.bases:
-            if base not in seen:
-                found.extend(self._methods(base, name, seen))
+            base_cls = self._class_named(unit, base)
+            if base_cls is not None and id(base_cls[1]) not in seen:
+                found.extend(self._methods(base_cls, name, seen))
         return found
 
-    def _all_methods(self, name: str) -> list[Scope]:
-        return [m for info in self._index.classes.values() if (m := info.methods.get(name))]
+    def _members(self, unit: Unit, name: str) -> list[Scope]:
+        """A function of `unit` named `name`, or the constructor of its class `name`."""
+        targets = list(self._functions_named[id(unit)].get(name, ()))
+        info = unit.index.classes.get(name)
+        if info is not None:
+            targets.extend(self._methods((unit, info), "__init__"))
+        return targets
 
-    def _targets(self, ref: Ref) -> list[Scope]:
-        index = self._index
-        if ref.receiver is None:
-            targets = list(self._functions_named.get(ref.name, ()))
-            if ref.name in index.classes:
-                targets.extend(self._methods(ref.name, "__init__"))
-            return targets
+    def _by_name(self, unit: Unit, name: str) -> list[Scope]:
+        """Every method named `name` in this file and the files it imports (a guess)."""
+        found = list(self._methods_named[id(unit)].get(name, ()))
+        targets = {link.target for link in unit.links.values()}
+        for target in sorted(targets):
+            other = self._units[target]
+            if other is not unit:
+                found.extend(self._methods_named[id(other)].get(name, ()))
+        return found
+
+    def _targets(self, unit: Unit, ref: Ref) -> tuple[list[Scope], bool]:
+        """The functions a mention may stand for, and whether that is sure (not a guess)."""
+        index = unit.index
+        name = ref.name
         receiver = ref.receiver
+        if receiver is None:
+            own = self._members(unit, name)
+            if own:
+                return own, True
+            found = self._linked(unit, name)
+            if found is not None and found[1] is not None:
+                return self._members(found[0], found[1]), True
+            return [], True
+        module = self._module_of(unit, receiver)
+        if module is not None:
+            return self._members(module, name), True
+        cls: _Class | None = None
         if isinstance(receiver, ast.Name):
             if index.imports.is_module_alias(receiver.id):
-                return []  # torch.save, os.path.join: a library, not this file
+                return [], True  # torch.save, os.path.join: a library, not this program
             if receiver.id in ("self", "cls") and ref.scope.class_name:
-                found = self._methods(ref.scope.class_name, ref.name)
-                if found:
-                    return found
-            class_name = self._types.get((ref.scope, receiver.id))
-            if class_name is not None:
-                return self._methods(class_name, ref.name)
+                own_cls = self._class_named(unit, ref.scope.class_name)
+                if own_cls is not None:
+                    found_methods = self._methods(own_cls, name)
+                    if found_methods:
+                        return found_methods, True
+            cls = self._types.get((ref.scope, receiver.id))
         elif isinstance(receiver, ast.Attribute):
-            class_name = self._types.get((None, receiver.attr))
-            if class_name is not None:
-                return self._methods(class_name, ref.name)
-        return self._all_methods(ref.name)
+            cls = self._types.get((index.module, receiver.attr))
+        elif isinstance(receiver, ast.Call):  # Trainer(...).train()
+            cls = self._class_of(unit, receiver.func)
+        if cls is not None:
+            return self._methods(cls, name), True
+        return self._by_name(unit, name), False
 
     # -- solving ----------------------------------------------------------------------
 
-    def _owner(self, ref: Ref) -> Scope | None:
-        """The function a mention sits in (None at module level)."""
-        return None if ref.scope.is_module else ref.scope
-
     def _solve(self) -> None:
         incoming = self._incoming
-        guarded_roots = {
-            fn for fn in self._index.functions if RANK_ZERO_DECORATORS & set(fn.decorators)
-        }
-        # ALL: reachable through unguarded mentions from module level.
+        functions = [fn for unit in self._units for fn in unit.index.functions]
+        guarded_roots = {fn for fn in functions if RANK_ZERO_DECORATORS & set(fn.decorators)}
+        # ALL: reachable through sure, unguarded mentions from module level.
         outgoing: dict[Scope | None, list[Scope]] = {}
-        for fn, refs in incoming.items():
-            for ref in refs:
-                if self._guard_of[id(ref)] is None:
-                    outgoing.setdefault(self._owner(ref), []).append(fn)
+        for fn, edges in incoming.items():
+            for edge in edges:
+                if edge.guard is None and edge.exact:
+                    outgoing.setdefault(edge.owner, []).append(fn)
         everywhere: set[Scope] = set()
         stack = list(outgoing.get(None, ()))
         while stack:
@@ -148,25 +255,29 @@ class CallGraph:
                 continue
             everywhere.add(fn)
             stack.extend(outgoing.get(fn, ()))
-        # GUARDED: the greatest set whose every mention is guarded or from inside the set.
-        guarded = {
-            fn
-            for fn, refs in incoming.items()
-            if fn not in everywhere and (refs or fn in guarded_roots)
-        }
+        # GUARDED: the least set closed under "every mention (but its own recursive
+        # calls) is sure and either rank-guarded or inside a GUARDED function".
+        guarded = set(guarded_roots - everywhere)
+        candidates = [
+            fn for fn in functions if fn not in everywhere and fn not in guarded and incoming[fn]
+        ]
         changed = True
-        while changed:
+        while changed and candidates:
             changed = False
-            for fn in list(guarded):
-                if fn in guarded_roots:
-                    continue
-                for ref in incoming[fn]:
-                    owner = self._owner(ref)
-                    if self._guard_of[id(ref)] is None and (owner is None or owner not in guarded):
-                        guarded.discard(fn)
-                        changed = True
-                        break
-        for fn in self._index.functions:
+            remaining = []
+            for fn in candidates:
+                edges = [e for e in incoming[fn] if e.owner is not fn]
+                if edges and all(
+                    e.exact
+                    and (e.guard is not None or (e.owner is not None and e.owner in guarded))
+                    for e in edges
+                ):
+                    guarded.add(fn)
+                    changed = True
+                else:
+                    remaining.append(fn)
+            candidates = remaining
+        for fn in functions:
             if fn in everywhere:
                 self._context[fn] = Context.ALL
             elif fn in guarded:
@@ -178,13 +289,16 @@ class CallGraph:
     def _find_witness(self, fn: Scope, roots: set[Scope]) -> Witness:
         if fn in roots:
             return Witness(None, None, None)
-        via: Ref | None = None
-        for ref in self._incoming[fn]:
-            guard = self._guard_of[id(ref)]
-            if guard is not None:
-                return Witness(ref, guard, None)
-            via = via or ref
-        return Witness(via, None, self._owner(via) if via is not None else None)
+        via: _Edge | None = None
+        for edge in self._incoming[fn]:
+            if edge.owner is fn:
+                continue
+            if edge.guard is not None:
+                return Witness(edge.ref, edge.guard, None)
+            via = via or edge
+        if via is None:
+            return Witness(None, None, None)
+        return Witness(via.ref, None, via.owner)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -203,12 +317,12 @@ class CallGraph:
         changed = True
         while changed:
             changed = False
-            for fn, refs in self._incoming.items():
+            for fn, edges in self._incoming.items():
                 if fn in in_loop:
                     continue
-                for ref in refs:
-                    owner = self._owner(ref)
-                    if ref.loop_depth > 0 or (owner is not None and owner in in_loop):
+                for edge in edges:
+                    owner = edge.owner
+                    if edge.ref.loop_depth > 0 or (owner is not None and owner in in_loop):
                         in_loop.add(fn)
                         changed = True
                         break

@@ -114,9 +114,25 @@ class Index:
     seen_in_except: set[str]
 
 
-def build_index(tree: ast.Module) -> Index:
-    """Index `tree` in a single walk."""
-    return _Indexer(tree).index
+def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index:
+    """Index `tree` in a single walk.
+
+    `linked`: names that may stand for functions of other checked files (imported
+    names, and the names those files define); mentions of them are recorded too.
+    """
+    indexer = _Indexer(tree, linked)
+    # The handler table holds bound methods of the indexer: a reference cycle that
+    # would keep the whole tree alive until the garbage collector runs.
+    indexer._handlers.clear()
+    return indexer.index
+
+
+def defined_names(tree: ast.Module) -> set[str]:
+    """The functions, classes and methods a module defines (without walking expressions)."""
+    funcs: set[str] = set()
+    methods: set[str] = set()
+    _collect_defs(tree.body, False, funcs, methods)
+    return funcs | methods
 
 
 _EXIT_CALLS = frozenset({"exit", "_exit", "quit"})
@@ -189,12 +205,12 @@ _LEAF_TYPES: tuple[type[ast.AST], ...] = (
 
 
 class _Indexer:
-    def __init__(self, tree: ast.Module) -> None:
+    def __init__(self, tree: ast.Module, linked: frozenset[str]) -> None:
         funcs: set[str] = set()
         methods: set[str] = set()
         _collect_defs(tree.body, False, funcs, methods)
-        self._func_names = funcs
-        self._method_names = methods
+        self._func_names = funcs | linked
+        self._method_names = methods | linked
         module = Scope(tree, "<module>", None)
         self.index = Index(
             tree=tree,

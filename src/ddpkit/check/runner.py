@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.model import UNREADABLE, Finding, Severity
+from ddpkit.check.program import analyse_program
 from ddpkit.check.rules import RULES, Rule
 
 # A bare noqa comment silences every code on its line; `noqa: DDP103, DDP106` only those.
@@ -70,7 +71,12 @@ def check_tree(
     tree: ast.Module, source: str | bytes, path: str, rules: Sequence[Rule] | None = None
 ) -> list[Finding]:
     """Run `rules` (default: all) on a parsed module; `source` is used for `# noqa`."""
-    analysis = FileAnalysis(tree)
+    return _run_rules(FileAnalysis(tree), source, path, rules)
+
+
+def _run_rules(
+    analysis: FileAnalysis, source: str | bytes, path: str, rules: Sequence[Rule] | None
+) -> list[Finding]:
     findings: list[Finding] = []
     lines: list[str] | None = None
     for rule in RULES if rules is None else rules:
@@ -100,24 +106,65 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _parse(source: str | bytes, path: str) -> ast.Module | Finding:
+    """The syntax tree, or the DDP000 finding that says why there is none."""
+    try:
+        return ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte in the source
+        line = getattr(exc, "lineno", None) or 1
+        col = getattr(exc, "offset", None) or 1
+        reason = getattr(exc, "msg", None) or str(exc)
+        return _unreadable(path, line, col, f"syntax error, file not checked: {reason}")
+
+
 def _check(source: str | bytes, path: str, rules: Sequence[Rule]) -> list[Finding]:
     with _gc_paused():
-        try:
-            tree = ast.parse(source, filename=path)
-        except (SyntaxError, ValueError) as exc:  # ValueError: a NUL byte in the source
-            line = getattr(exc, "lineno", None) or 1
-            col = getattr(exc, "offset", None) or 1
-            reason = getattr(exc, "msg", None) or str(exc)
-            return [_unreadable(path, line, col, f"syntax error, file not checked: {reason}")]
+        tree = _parse(source, path)
+        if isinstance(tree, Finding):
+            return [tree]
         return check_tree(tree, source, path, rules)
 
 
-def _read(path: str, rules: Sequence[Rule]) -> list[Finding]:
+def _read_bytes(path: str) -> bytes | Finding:
     try:
-        data = Path(path).read_bytes()
+        return Path(path).read_bytes()
     except OSError as exc:
-        return [_unreadable(path, 1, 1, f"cannot read file: {exc.strerror or exc}")]
+        return _unreadable(path, 1, 1, f"cannot read file: {exc.strerror or exc}")
+
+
+def _read(path: str, rules: Sequence[Rule]) -> list[Finding]:
+    data = _read_bytes(path)
+    if isinstance(data, Finding):
+        return [data]
     return _check(data, path, rules)
+
+
+def _check_program(
+    files: Sequence[Path], roots: Sequence[Path], rules: Sequence[Rule]
+) -> list[Finding]:
+    """Check `files` together: imports between them link them into one program."""
+    findings: list[Finding] = []
+    parsed: list[tuple[Path, ast.Module]] = []
+    sources: list[bytes] = []
+    with _gc_paused():
+        for path in files:
+            data = _read_bytes(str(path))
+            tree = _parse(data, str(path)) if isinstance(data, bytes) else data
+            if isinstance(tree, Finding):
+                findings.append(tree)
+                continue
+            assert isinstance(data, bytes)
+            parsed.append((path, tree))
+            sources.append(data)
+        analyses = analyse_program(parsed, roots)
+        for (path, _), source, analysis in zip(parsed, sources, analyses, strict=True):
+            findings.extend(_run_rules(analysis, source, str(path), rules))
+        # Free the trees by reference counting before the collector is back on:
+        # otherwise its first run walks every node of every file.
+        for analysis in analyses:
+            analysis.release()
+        del analyses, parsed
+    return findings
 
 
 def check_source(
@@ -198,6 +245,10 @@ def check_paths(
 ) -> Report:
     """Check training scripts for DDP pitfalls, without running or importing them.
 
+    The files are checked together as one program: a call in one file of a function
+    that another checked file defines (`import utils`, `from .misc import f`) counts
+    when deciding where code runs and whether the process group is destroyed.
+
     Args:
         paths: files and folders; folders are searched recursively for `*.py`.
         select: only these rule codes or prefixes (e.g. `["DDP103", "DDP11"]`).
@@ -212,9 +263,10 @@ def check_paths(
         SelectionError: a code in `select` or `ignore` names no rule.
     """
     rules = select_rules(select, ignore)
-    files, missing = python_files(paths)
+    given = [Path(p) for p in paths]
+    files, missing = python_files(given)
     report = Report(files_checked=len(files), missing=missing)
-    for path in files:
-        report.findings.extend(_read(str(path), rules))
+    roots = [p if p.is_dir() else p.parent for p in given]
+    report.findings.extend(_check_program(files, roots, rules))
     report.findings.sort()
     return report

@@ -108,16 +108,55 @@ def _is_saved(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> bool:
             target = target.value  # ckpt["model"] = ... carries into ckpt
         if isinstance(target, ast.Name):
             carriers.add(target.id)
-    for write, _ in checkpoint_writes(fa):
-        if write.scope is not site.scope:
-            continue
-        obj = argument(write.call, 0, "obj")
+    objects = [
+        argument(write.call, 0, "obj")
+        for write, _ in checkpoint_writes(fa)
+        if write.scope is site.scope
+    ]
+    # A helper such as `save_on_master(state, path)` or `utils.save_checkpoint(...)`
+    # saves what it is given, like torch.save itself.
+    for helper in _save_helpers(fa):
+        if helper.scope is site.scope and helper.call.args:
+            objects.append(helper.call.args[0])
+    for obj in objects:
         if obj is None:
             continue
         if contains(obj, state_dict) or any(
             isinstance(n, ast.Name) and n.id in carriers for n in ast.walk(obj)
         ):
             return not _strips_prefix(obj)
+    return False
+
+
+def _save_helpers(fa: FileAnalysis) -> Iterator[Site]:
+    """Calls of the user's own save helpers (`save_on_master`, `save_checkpoint`)."""
+    for name, sites in fa.calls_by_tail.items():
+        if "save" not in name.lower() or name == "save":
+            continue
+        for site in sites:
+            func = site.call.func
+            if (
+                isinstance(func, ast.Attribute)
+                and isinstance(func.value, ast.Name)
+                and fa.imports.is_module_alias(func.value.id)
+                and func.value.id not in fa.links
+            ):
+                continue  # a library's save function (np.save, torch.jit.save, ...)
+            yield site
+
+
+def _reloaded_into_wrapper(fa: FileAnalysis, timelines: dict[_Key, _Timeline]) -> bool:
+    """`ddp_model.load_state_dict(...)`: the checkpoint is made to resume this same wrapper,
+    so its `module.` keys load back as they are."""
+    for site in fa.calls("load_state_dict"):
+        func = site.call.func
+        if not isinstance(func, ast.Attribute):
+            continue
+        # Only a load after the wrap in the same function is sure to fill the wrapper
+        # (the tutorial loads into the plain model before wrapping it).
+        key = _key(func.value, site.scope)
+        if key is not None and _wrapped_at(timelines.get(key), site, same_scope_only=True):
+            return True
     return False
 
 
@@ -128,7 +167,7 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
     if not candidates:
         return
     timelines = _timelines(fa)
-    if not timelines:
+    if not timelines or _reloaded_into_wrapper(fa, timelines):
         return
     for site in candidates:
         call = site.call

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.index import Site
 from ddpkit.check.model import Severity
 from ddpkit.check.names import dotted, tail
 from ddpkit.check.rules.base import Hit, Rule, argument, show
@@ -71,13 +72,76 @@ def _environ_ports(fa: FileAnalysis) -> Iterator[Hit]:
                     yield value, f"MASTER_PORT is hard-coded to {show(value)}: {_FIX}"
 
 
+def _has_port(expr: ast.expr) -> bool:
+    text = _url_text(expr)
+    return text is not None and _TCP_URL.search(text) is not None
+
+
+def _option_dest(call: ast.Call) -> str | None:
+    """`add_argument("--dist-url", ...)` -> "dist_url" (the attribute argparse sets)."""
+    dest = argument(call, None, "dest")
+    if isinstance(dest, ast.Constant) and isinstance(dest.value, str):
+        return dest.value
+    for arg in call.args:
+        if (
+            isinstance(arg, ast.Constant)
+            and isinstance(arg.value, str)
+            and arg.value.startswith("--")
+        ):
+            return arg.value[2:].replace("-", "_")
+    return None
+
+
+def _stored_urls(fa: FileAnalysis, url: ast.expr, site: Site) -> Iterator[Hit]:
+    """`url = "tcp://...:port"` or `args.dist_url = ...` before the init; argparse defaults."""
+    for a in fa.index.assignments:
+        target = a.target
+        same = (
+            isinstance(url, ast.Name)
+            and isinstance(target, ast.Name)
+            and target.id == url.id
+            and a.scope in (site.scope, fa.index.module)
+        ) or (
+            isinstance(url, ast.Attribute)
+            and isinstance(target, ast.Attribute)
+            and target.attr == url.attr
+        )
+        if same and _has_port(a.value):
+            yield (
+                a.value,
+                (
+                    f"the init_method URL {show(a.value)} (used at line {site.line}) has a "
+                    f"fixed port: {_FIX}"
+                ),
+            )
+    if not isinstance(url, ast.Attribute):
+        return
+    for option in fa.calls("add_argument"):
+        default = argument(option.call, None, "default")
+        if default is not None and _option_dest(option.call) == url.attr and _has_port(default):
+            yield (
+                default,
+                (
+                    f"the default init_method URL {show(default)} (used at line {site.line}) has "
+                    f"a fixed port; unless every run passes another one, {_FIX}"
+                ),
+            )
+
+
 def _url_ports(fa: FileAnalysis) -> Iterator[Hit]:
+    reported: set[int] = set()
     for site in fa.process_group_inits:
         call = site.call
         url = argument(call, 1, "init_method")
-        text = _url_text(url) if url is not None else None
-        if url is not None and text is not None and _TCP_URL.search(text):
+        if url is None:
+            continue
+        if _has_port(url):
             yield url, f"the init_method URL {show(url)} has a fixed port: {_FIX}"
+        elif isinstance(url, (ast.Name, ast.Attribute)):
+            for node, message in _stored_urls(fa, url, site):
+                if id(node) not in reported:
+                    reported.add(id(node))
+                    yield node, message
     for site in fa.calls("TCPStore"):
         call = site.call
         port = argument(call, 1, "port")

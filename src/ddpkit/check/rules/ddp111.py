@@ -12,10 +12,12 @@ from ddpkit.check.rules.base import Hit, Rule
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     # Only a mention outside `except` counts: a cleanup that runs on errors alone
     # leaves the normal exit path without one. `finally` and atexit.register count.
-    if "destroy_process_group" in fa.index.seen:
+    # Checked with a folder, a destroy in any file linked to this one by imports counts.
+    if fa.program_mentions("destroy_process_group"):
         return
     # A helper that only sets the group up (its callers, elsewhere, may well tear it
-    # down) is not reported: only a file that itself runs the init on every rank.
+    # down) is not reported alone: only an init known to run on every rank, through
+    # the calls of this file or of the checked files that import it.
     inits = [site for site in fa.process_group_inits if fa.runs_on_every_rank(site)]
     if not inits:
         return

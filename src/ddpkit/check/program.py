@@ -1,0 +1,70 @@
+"""Checking a folder as one program: the files it holds, linked through their imports.
+
+`utils.init_distributed_mode(args)` in `main.py` runs the `init_process_group` of
+`utils.py` on every rank; `MetricLogger` of `util/misc.py` is built in `engine.py`.
+Each file still gets its own findings, but where code runs (the call graph) and
+whether the group is ever destroyed are answered for the files together.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.callgraph import CallGraph
+from ddpkit.check.index import defined_names
+from ddpkit.check.linking import Link, Linker
+
+
+def _components(links: Sequence[dict[str, Link]]) -> list[int]:
+    """For each file, a representative of the files it is connected to by imports."""
+    parent = list(range(len(links)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, file_links in enumerate(links):
+        for link in file_links.values():
+            a, b = find(i), find(link.target)
+            if a != b:
+                parent[a] = b
+    return [find(i) for i in range(len(links))]
+
+
+def analyse_program(
+    files: Sequence[tuple[Path, ast.Module]], roots: Sequence[Path]
+) -> list[FileAnalysis]:
+    """One `FileAnalysis` per file, in order, sharing one call graph."""
+    linker = Linker([path for path, _ in files], roots)
+    links = [linker.links(path, tree) for path, tree in files]
+    names: dict[int, frozenset[str]] = {}
+    analyses: list[FileAnalysis] = []
+    for (_, tree), file_links in zip(files, links, strict=True):
+        linked: set[str] = set()
+        for local, link in file_links.items():
+            linked.add(local.rpartition(".")[2])
+            if link.target not in names:
+                names[link.target] = frozenset(defined_names(files[link.target][1]))
+            linked |= names[link.target]
+        analyses.append(FileAnalysis(tree, file_links, frozenset(linked)))
+    if len(analyses) < 2:
+        return analyses
+
+    @cache
+    def shared() -> CallGraph:
+        return CallGraph([fa.unit for fa in analyses])
+
+    groups: dict[int, list[FileAnalysis]] = {}
+    for fa, group in zip(analyses, _components(links), strict=True):
+        groups.setdefault(group, []).append(fa)
+    for fa, group in zip(analyses, _components(links), strict=True):
+        fa.peers = groups[group]
+        if len(fa.peers) > 1:
+            fa.shared_callgraph = shared
+    return analyses
