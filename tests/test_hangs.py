@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit import Callback, DistContext, HangError, TrainConfig, Trainer, launch
 from tests.conftest import ROOT
+from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
 
 HANG_TIMEOUT = 5.0
 
@@ -72,18 +73,10 @@ def _sleep_forever(ctx: DistContext) -> None:
     dist.barrier()
 
 
-def _mismatch(ctx: DistContext) -> None:
-    t = torch.ones(1)
-    for step in range(10**9):
-        dist.all_reduce(t)
-        if ctx.rank == 0 and step == 2:
-            dist.barrier()
-
-
 @pytest.mark.parametrize(
     ("fn", "words"),
     [
-        (_mismatch, ["rank 0 waits in barrier #4; rank 1 never reached it"]),
+        (_barrier_on_rank0_only, ["rank 0 waits in barrier #4; rank 1 never reached it"]),
         (_recv_never_sent, ["rank 0: in recv", "rank 1: in barrier"]),
         (_sleep_forever, ["rank 1: in barrier", "rank 0: not in a collective", "time.sleep"]),
     ],
