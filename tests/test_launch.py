@@ -60,6 +60,31 @@ def test_single_process_runs_in_place_with_a_real_group() -> None:
     assert not dist.is_initialized()  # destroyed again
 
 
+def test_many_single_process_launches_never_deadlock_in_teardown() -> None:
+    # torch 2.6's gloo could deadlock in destroy_process_group (its worker thread
+    # still releasing an all_gather's tensors needs the GIL that the destructor holds):
+    # about one launch in 100 hung for good. In a child, so a deadlock fails the test.
+    code = textwrap.dedent(
+        """
+        import torch.distributed as dist
+        from ddpkit import launch
+
+        def gather(ctx, i):
+            out = [None]
+            dist.all_gather_object(out, i)
+            return out[0]
+
+        for i in range(300):
+            assert launch(gather, i, nprocs=1) == i
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=90, cwd=ROOT
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def _slow_identity(ctx: DistContext, tag: str) -> dict[str, object]:
     time.sleep(1.5)  # so that the two jobs below overlap in time
     return _identity(ctx, tag)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,3 +37,22 @@ def rank_zero_first(ctx: DistContext) -> Iterator[None]:
         with expect("wait"):
             dist.barrier()
         yield
+
+
+# Groups that destroy_group() took out of service but keeps alive; see there.
+_retired: list[Any] = []
+
+
+def destroy_group() -> None:
+    """`dist.destroy_process_group()`, without a deadlock of gloo before torch 2.8.
+
+    Freeing a gloo group joins its worker threads while holding the GIL. A worker may
+    still be dropping the last collective's tensors, which needs the GIL: both wait
+    forever (seen on torch 2.6; fixed by pytorch#154976). So the group objects are
+    kept until the next call, by when their threads have long been idle.
+    """
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", {}))  # every group, not only WORLD
+    _retired.clear()
+    dist.destroy_process_group()
+    _retired.extend(groups)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ddpkit.context import DistContext
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, HangJudge, blame_key, read_reports
 from ddpkit.diagnosis.watchdog import Watchdog
+from ddpkit.distributed import destroy_group
 from ddpkit.errors import ConfigError, HangError, WorkerError
 
 log = logging.getLogger("ddpkit")
@@ -215,7 +216,7 @@ def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeo
     try:
         return fn(DistContext(0, 0, 1, 1, device, backend), *args)
     finally:
-        dist.destroy_process_group()
+        destroy_group()
         torch.set_num_threads(threads)
         sys.excepthook = hook
 
@@ -233,7 +234,7 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
         # workers do (see _exit_now); a short pause lets gloo's threads release their
         # last work first, which avoids the rare abort at exit.
         time.sleep(0.05)
-        dist.destroy_process_group()
+        destroy_group()
 
 
 def _spawn(
@@ -531,7 +532,7 @@ def _worker(
         code = 1
     finally:
         if initialised:
-            dist.destroy_process_group()
+            destroy_group()
         conn.close()
     exit_now(code)
 
