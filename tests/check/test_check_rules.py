@@ -102,6 +102,16 @@ HANGS = {
             if rank == 0:
                 outer(t)
         """,
+    "rank above zero": """
+        def f(rank, t):
+            if rank > 0:
+                dist.all_reduce(t)
+        """,
+    "below two, constant first": """
+        def f(rank, t):
+            if 2 > rank:
+                dist.all_reduce(t)
+        """,
     "method called from a guarded branch only": """
         class Trainer:
             def _sync(self):
@@ -124,6 +134,15 @@ SAFE = {
         def f(local_rank):
             if local_rank != -1:
                 dist.barrier()
+        """,
+    "set-up checks that hold alike on every rank": """
+        def f(local_rank, t):
+            if local_rank < 0:
+                return t
+            if local_rank >= 0 and -1 < local_rank:
+                dist.barrier()
+            if 0 <= local_rank:
+                dist.all_reduce(t)
         """,
     "rank is None": """
         def f(rank):

@@ -7,7 +7,8 @@ pattern, and names assigned from rank expressions (`gpu = rank`, `should_save =
 rank == 0 and ...`) or parameters given a rank at a call of this file are followed.
 
 Tests that are the same on every rank are not rank conditions, even when they mention
-one: `local_rank != -1` (the "am I distributed" idiom) and `rank is None`.
+one: `local_rank != -1` and `local_rank >= 0` (the "am I distributed" idioms) and
+`rank is None`.
 """
 
 from __future__ import annotations
@@ -102,6 +103,43 @@ def _is_same_everywhere(node: ast.expr) -> bool:
         return isinstance(node.operand, ast.Constant)
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
         return all(_is_same_everywhere(e) for e in node.elts)
+    return False
+
+
+def _int_constant(node: ast.expr) -> int | None:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _int_constant(node.operand)
+        return None if inner is None else -inner
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    return None
+
+
+# `rank OP c` with the constant on the right, for `c OP rank` written the other way round.
+_MIRRORED: dict[type[ast.cmpop], type[ast.cmpop]] = {
+    ast.Lt: ast.Gt,
+    ast.LtE: ast.GtE,
+    ast.Gt: ast.Lt,
+    ast.GtE: ast.LtE,
+}
+
+
+def _holds_alike_for_every_rank(expr: ast.Compare) -> bool:
+    """`rank >= 0`, `local_rank < 0`, `0 <= rank`: ranks are 0, 1, 2, ..., so the answer
+    is the same on every rank ("is distributed set up?"), unlike `rank > 0` or `rank < 2`."""
+    if len(expr.ops) != 1:
+        return False
+    op = type(expr.ops[0])
+    value = _int_constant(expr.comparators[0])
+    if value is None:
+        value = _int_constant(expr.left)
+        if value is None or op not in _MIRRORED:
+            return False
+        op = _MIRRORED[op]
+    if op in (ast.Lt, ast.GtE):  # rank < c is never, rank >= c always true for c <= 0
+        return value <= 0
+    if op in (ast.LtE, ast.Gt):
+        return value < 0
     return False
 
 
@@ -309,7 +347,9 @@ class RankModel:
             if not ranked:
                 return False
             others = [o for o in operands if not any(o is r for r in ranked)]
-            return not (others and all(_is_same_everywhere(o) for o in others))
+            if others and all(_is_same_everywhere(o) for o in others):
+                return False
+            return not _holds_alike_for_every_rank(expr)
         if isinstance(expr, ast.Call) and tail(expr.func) == "bool" and len(expr.args) == 1:
             return self.is_rank_condition(expr.args[0], scope)
         return self.is_rank_predicate(expr, scope) or self.is_rank_value(expr, scope)
