@@ -404,6 +404,28 @@ def test_ddp110(line: str, expected: list[str]) -> None:
     assert codes(line + "\n", "DDP110") == expected
 
 
+@pytest.mark.parametrize(
+    ("default", "expected"),
+    [
+        ("tcp://localhost:10001", ["DDP110"]),
+        ("tcp://127.0.0.1:10001", ["DDP110"]),
+        ("tcp://[::1]:10001", ["DDP110"]),
+        ("tcp://:10001", ["DDP110"]),
+        # Another machine's address: a placeholder that every run replaces.
+        ("tcp://224.66.41.62:23456", []),
+        ("tcp://node-0.cluster:23456", []),
+    ],
+)
+def test_ddp110_argparse_default_on_this_machine_only(default: str, expected: list[str]) -> None:
+    source = f"""
+        def main(parser):
+            parser.add_argument("--dist-url", default="{default}")
+            args = parser.parse_args()
+            dist.init_process_group("gloo", init_method=args.dist_url)
+        """
+    assert codes(source, "DDP110") == expected
+
+
 def test_ddp111_accepts_atexit_and_finally() -> None:
     atexit = (
         "import atexit\n"

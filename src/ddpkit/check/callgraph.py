@@ -311,6 +311,15 @@ class CallGraph:
     def witness(self, scope: Scope) -> Witness | None:
         return self._witness.get(scope)
 
+    def calls_of(self, fn: Scope) -> list[ast.Call]:
+        """The calls, in any checked file, known for sure to call `fn`."""
+        return [e.ref.call_expr for e in self._incoming.get(fn, ()) if e.exact and e.ref.call_expr]
+
+    def callees(self, unit: Unit, ref: Ref) -> list[Scope]:
+        """The functions a mention in `unit` surely stands for (none when it is a guess)."""
+        targets, exact = self._targets(unit, ref)
+        return targets if exact else []
+
     def called_in_loops(self) -> set[Scope]:
         """Functions that run inside a loop of their callers (directly or through calls)."""
         in_loop: set[Scope] = set()

@@ -77,9 +77,14 @@ class Ref(Site):
     """A mention of a name that may be a function, method or class of this file."""
 
     name: str = ""
-    is_call: bool = False
+    # The call when the mention is called (`name(...)`, `x.name(...)`), else None.
+    call_expr: ast.Call | None = None
     # For `x.name`: the expression before the dot.
     receiver: ast.expr | None = None
+
+    @property
+    def is_call(self) -> bool:
+        return self.call_expr is not None
 
 
 @dataclass(eq=False, slots=True)
@@ -496,9 +501,9 @@ class _Indexer:
         self.index.calls.append(self._site(node))
         func = node.func
         if isinstance(func, ast.Name):
-            self._name(func, True)
+            self._name(func, node)
         elif isinstance(func, ast.Attribute):
-            self._attribute(func, True)
+            self._attribute(func, node)
         else:
             self._visit(func)
         for arg in node.args:
@@ -507,7 +512,7 @@ class _Indexer:
             self._visit(keyword.value)
 
     def _ref(
-        self, node: ast.expr, name: str, is_call: bool, receiver: ast.expr | None = None
+        self, node: ast.expr, name: str, call: ast.Call | None, receiver: ast.expr | None = None
     ) -> None:
         """Record a mention of one of the file's own functions or methods, with context."""
         self.index.refs.append(
@@ -518,25 +523,25 @@ class _Indexer:
                 self._loop_depth,
                 self._except_depth > 0,
                 name=name,
-                is_call=is_call,
+                call_expr=call,
                 receiver=receiver,
             )
         )
 
-    def _name(self, node: ast.Name, is_call: bool = False) -> None:
+    def _name(self, node: ast.Name, call: ast.Call | None = None) -> None:
         if type(node.ctx) is not ast.Load:
             return
         name = node.id
         self._seen.add(name)
         if name in self._func_names:
-            self._ref(node, name, is_call)
+            self._ref(node, name, call)
 
-    def _attribute(self, node: ast.Attribute, is_call: bool = False) -> None:
+    def _attribute(self, node: ast.Attribute, call: ast.Call | None = None) -> None:
         name = node.attr
         if type(node.ctx) is ast.Load:
             self._seen.add(name)
             if name in self._method_names:
-                self._ref(node, name, is_call, receiver=node.value)
+                self._ref(node, name, call, receiver=node.value)
         value = node.value
         if type(value) is ast.Name:  # `self.x`, `dist.barrier`: skip the dispatch
             self._name(value)

@@ -7,13 +7,16 @@ import re
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
-from ddpkit.check.index import Site
+from ddpkit.check.index import Scope, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.names import dotted, tail
-from ddpkit.check.rules.base import Hit, Rule, argument, show
+from ddpkit.check.rules.base import Hit, Rule, argument, has_unknown_arguments, show
 
 _PORT_KEY = "MASTER_PORT"
 _TCP_URL = re.compile(r"tcp://[^\s/]*:\d+")
+_URL_HOST = re.compile(r"tcp://\[?([^\s/\[\]]*?)\]?:\d+(?:$|/)")
+# Hosts that are the machine the job runs on.
+_THIS_MACHINE = re.compile(r"^(?:localhost|127(?:\.\d+){3}|0\.0\.0\.0|::1?|)$", re.IGNORECASE)
 _FIX = (
     "a second job on this machine fails with 'address already in use'; let torchrun "
     "pick one (`torchrun --standalone`), or choose a free port at run time"
@@ -48,33 +51,94 @@ def _url_text(expr: ast.expr) -> str | None:
     return None
 
 
-def _environ_ports(fa: FileAnalysis) -> Iterator[Hit]:
+def _parameter_default(fn: ast.AST, name: str) -> tuple[ast.expr, int | None] | None:
+    """The default of parameter `name` of `fn`, with its position (None: keyword-only)."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    args = fn.args
+    positional = [*args.posonlyargs, *args.args]
+    first_default = len(positional) - len(args.defaults)
+    for i, arg in enumerate(positional):
+        if arg.arg == name:
+            return (args.defaults[i - first_default], i) if i >= first_default else None
+    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
+        if arg.arg == name:
+            return (default, None) if default is not None else None
+    return None
+
+
+def _passes(call: ast.Call, position: int | None, name: str) -> bool:
+    if has_unknown_arguments(call) or any(kw.arg == name for kw in call.keywords):
+        return True
+    return position is not None and position < len(call.args)
+
+
+def _defaulted_port(fa: FileAnalysis, value: ast.expr, scope: Scope) -> str | None:
+    """`str(port)` where `port` is a parameter whose fixed default a call leaves in place
+    (`init_distributed(port=40112)` called as `init_distributed()`): why, else None."""
+    if isinstance(value, ast.Call) and tail(value.func) == "str" and len(value.args) == 1:
+        value = value.args[0]
+    if not isinstance(value, ast.Name) or value.id not in scope.params:
+        return None
+    found = _parameter_default(scope.node, value.id)
+    if found is None or not _constant_port(found[0]):
+        return None
+    default, position = found
+    if position is not None and scope.is_method:
+        position -= 1  # `self` is not passed in the call
+    for call in fa.callgraph.calls_of(scope):
+        if not _passes(call, position, value.id):
+            return (
+                f"MASTER_PORT is set from `{value.id}`, which `{show(call.func)}(...)` leaves "
+                f"at its default {show(default)}: {_FIX}"
+            )
+    return None
+
+
+def _master_port_values(fa: FileAnalysis) -> Iterator[tuple[ast.expr, Scope]]:
+    """The values given to MASTER_PORT: `os.environ[...] = v`, `setdefault`, `update`."""
     for a in fa.index.assignments:
         target = a.target
         if (
             isinstance(target, ast.Subscript)
             and _is_port_key(target.slice)
             and (dotted(target.value) or "").endswith("environ")
-            and _constant_port(a.value)
         ):
-            yield a.value, f"MASTER_PORT is hard-coded to {show(a.value)}: {_FIX}"
+            yield a.value, a.scope
     for site in fa.calls("setdefault", "putenv"):
         call = site.call
-        if len(call.args) == 2 and _is_port_key(call.args[0]) and _constant_port(call.args[1]):
-            yield call.args[1], f"MASTER_PORT is hard-coded to {show(call.args[1])}: {_FIX}"
+        if len(call.args) == 2 and _is_port_key(call.args[0]):
+            yield call.args[1], site.scope
     for site in fa.calls("update"):
-        call = site.call
-        for arg in call.args:
+        for arg in site.call.args:
             if not isinstance(arg, ast.Dict):
                 continue
             for key, value in zip(arg.keys, arg.values, strict=True):
-                if key is not None and _is_port_key(key) and _constant_port(value):
-                    yield value, f"MASTER_PORT is hard-coded to {show(value)}: {_FIX}"
+                if key is not None and _is_port_key(key):
+                    yield value, site.scope
+
+
+def _environ_ports(fa: FileAnalysis) -> Iterator[Hit]:
+    for value, scope in _master_port_values(fa):
+        if _constant_port(value):
+            yield value, f"MASTER_PORT is hard-coded to {show(value)}: {_FIX}"
+        elif not scope.is_module and (why := _defaulted_port(fa, value, scope)) is not None:
+            yield value, why
 
 
 def _has_port(expr: ast.expr) -> bool:
     text = _url_text(expr)
     return text is not None and _TCP_URL.search(text) is not None
+
+
+def _names_another_machine(expr: ast.expr) -> bool:
+    """`tcp://10.1.2.3:23456`: a placeholder for some cluster's host that every run must
+    replace, unlike `tcp://localhost:23456`, which works as is and then collides."""
+    text = _url_text(expr)
+    match = _URL_HOST.search(text) if text is not None else None
+    return (
+        match is not None and "{}" not in match.group(1) and not _THIS_MACHINE.match(match.group(1))
+    )
 
 
 def _option_dest(call: ast.Call) -> str | None:
@@ -118,7 +182,12 @@ def _stored_urls(fa: FileAnalysis, url: ast.expr, site: Site) -> Iterator[Hit]:
         return
     for option in fa.calls("add_argument"):
         default = argument(option.call, None, "default")
-        if default is not None and _option_dest(option.call) == url.attr and _has_port(default):
+        if (
+            default is not None
+            and _option_dest(option.call) == url.attr
+            and _has_port(default)
+            and not _names_another_machine(default)
+        ):
             yield (
                 default,
                 (
