@@ -55,15 +55,20 @@ def _sets_visible_devices(fa: FileAnalysis) -> bool:
     return False
 
 
-def _chooses_device(fa: FileAnalysis, site: Site) -> bool:
-    call = site.call
-    if argument(call, None, "device_id") is not None:
-        return True
+def _file_chooses_device(fa: FileAnalysis) -> bool:
     if any(fa.mentions(name) for name in _DEVICE_SETTERS):
         return True
     if any(fa.imports.resolve(s.call.func) == "torch.cuda.device" for s in fa.calls("device")):
         return True  # with torch.cuda.device(local_rank): ...
     return _sets_visible_devices(fa)
+
+
+def _chooses_device(fa: FileAnalysis, site: Site) -> bool:
+    if argument(site.call, None, "device_id") is not None:
+        return True
+    # Checked with a folder, the script that calls a setup helper often picks the device
+    # (`CUDA_VISIBLE_DEVICES` at its top, `set_device` in main) before the helper runs.
+    return any(_file_chooses_device(peer) for peer in fa.peers or [fa])
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
