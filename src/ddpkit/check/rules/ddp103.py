@@ -43,7 +43,7 @@ def _in_memory(target: ast.expr, site: Site, fa: FileAnalysis) -> bool:
     return False
 
 
-def _per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
+def per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
     """The path names the rank, directly or through `path = f"out_{rank}.pt"` nearby."""
     if fa.ranks.mentions_rank(target, site.scope):
         return True
@@ -64,7 +64,7 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
     for site, target in checkpoint_writes(fa):
         if target is None or not fa.runs_on_every_rank(site) or fa.in_launcher(site):
             continue
-        if _per_rank_path(fa, target, site):
+        if per_rank_path(fa, target, site):
             continue  # one file per rank (f"ckpt_rank{rank}.pt") is fine
         if _in_memory(target, site, fa):
             continue
