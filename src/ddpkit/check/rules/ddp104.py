@@ -6,7 +6,7 @@ import ast
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
-from ddpkit.check.index import Assignment, Scope, Site
+from ddpkit.check.index import Assignment, Ref, Scope, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.rules.base import Hit, Rule, argument, contains, show
 from ddpkit.check.rules.ddp103 import checkpoint_writes
@@ -145,17 +145,95 @@ def _save_helpers(fa: FileAnalysis) -> Iterator[Site]:
             yield site
 
 
+def _is_wrapper_here(expr: ast.expr, site: Site, timelines: dict[_Key, _Timeline]) -> bool:
+    # Only a load after the wrap in the same function is sure to fill the wrapper
+    # (the tutorial loads into the plain model before wrapping it).
+    key = _key(expr, site.scope)
+    return key is not None and _wrapped_at(timelines.get(key), site, same_scope_only=True)
+
+
+def _filled_parameters(fn: Scope) -> tuple[frozenset[str], bool]:
+    """The parameters a helper calls `.load_state_dict(...)` on, and whether it does so on
+    every keyword argument of its `**kwargs` (DINO's and SwAV's `restart_from_checkpoint`:
+    `for key, value in kwargs.items(): value.load_state_dict(checkpoint[key])`)."""
+    node = fn.node
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return frozenset(), False
+    kwargs = node.args.kwarg.arg if node.args.kwarg is not None else None
+    from_kwargs: set[str] = set()  # loop variables that take the values of **kwargs
+    receivers: list[ast.expr] = []
+    for n in ast.walk(node):
+        if (
+            isinstance(n, ast.For)
+            and isinstance(n.iter, ast.Call)
+            and isinstance(n.iter.func, ast.Attribute)
+            and n.iter.func.attr in ("items", "values")
+            and isinstance(n.iter.func.value, ast.Name)
+            and n.iter.func.value.id == kwargs
+        ):
+            target = n.target
+            if isinstance(target, ast.Tuple) and len(target.elts) == 2:
+                target = target.elts[1]
+            if isinstance(target, ast.Name):
+                from_kwargs.add(target.id)
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "load_state_dict"
+        ):
+            receivers.append(n.func.value)
+    filled: set[str] = set()
+    every_keyword = False
+    for receiver in receivers:
+        if isinstance(receiver, ast.Subscript):  # kwargs[key].load_state_dict(...)
+            receiver = receiver.value
+            every_keyword |= isinstance(receiver, ast.Name) and receiver.id == kwargs
+        elif isinstance(receiver, ast.Name):
+            every_keyword |= receiver.id in from_kwargs
+            if receiver.id in fn.params:
+                filled.add(receiver.id)
+    return frozenset(filled), every_keyword
+
+
+def _helper_fills_wrapper(
+    fa: FileAnalysis, ref: Ref, call: ast.Call, timelines: dict[_Key, _Timeline]
+) -> bool:
+    """`restart_from_checkpoint(path, model=ddp_model)`: a helper of the program, in this
+    file or another, calls `load_state_dict` on the wrapper it is given."""
+    positions = [i for i, arg in enumerate(call.args) if _is_wrapper_here(arg, ref, timelines)]
+    keywords = [
+        kw.arg
+        for kw in call.keywords
+        if kw.arg is not None and _is_wrapper_here(kw.value, ref, timelines)
+    ]
+    if not positions and not keywords:
+        return False
+    for fn in fa.callgraph.callees(fa.unit, ref):
+        filled, every_keyword = _filled_parameters(fn)
+        if not filled and not every_keyword:
+            continue
+        node = fn.node
+        assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        positional = [a.arg for a in [*node.args.posonlyargs, *node.args.args]]
+        if fn.is_method:
+            positional = positional[1:]  # `self` is not passed in the call
+        if any(i < len(positional) and positional[i] in filled for i in positions):
+            return True
+        if any(k in filled or (every_keyword and k not in fn.params) for k in keywords):
+            return True
+    return False
+
+
 def _reloaded_into_wrapper(fa: FileAnalysis, timelines: dict[_Key, _Timeline]) -> bool:
-    """`ddp_model.load_state_dict(...)`: the checkpoint is made to resume this same wrapper,
-    so its `module.` keys load back as they are."""
+    """`ddp_model.load_state_dict(...)`, directly or through a helper: the checkpoint is
+    made to resume this same wrapper, so its `module.` keys load back as they are."""
     for site in fa.calls("load_state_dict"):
         func = site.call.func
-        if not isinstance(func, ast.Attribute):
-            continue
-        # Only a load after the wrap in the same function is sure to fill the wrapper
-        # (the tutorial loads into the plain model before wrapping it).
-        key = _key(func.value, site.scope)
-        if key is not None and _wrapped_at(timelines.get(key), site, same_scope_only=True):
+        if isinstance(func, ast.Attribute) and _is_wrapper_here(func.value, site, timelines):
+            return True
+    for ref in fa.index.refs:
+        call = ref.call_expr
+        if call is not None and _helper_fills_wrapper(fa, ref, call, timelines):
             return True
     return False
 
