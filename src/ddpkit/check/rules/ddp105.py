@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.index import Scope, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.rules.base import Hit, Rule, argument, is_constant
 
@@ -21,9 +23,8 @@ _SYNCED = ("convert_sync_batchnorm", "convert_syncbn_model", "SyncBatchNorm")
 _FROZEN = "FrozenBatchNorm2d"
 
 
-def _uses_batch_norm(fa: FileAnalysis) -> bool:
-    if any(_BATCH_NORM.match(name) for name in fa.index.seen):
-        return True
+def _builds_bn_model(fa: FileAnalysis) -> bool:
+    """A torchvision model with BatchNorm layers (`torchvision.models.resnet50()`)."""
     for name, sites in fa.calls_by_tail.items():
         if not _BN_MODELS.match(name):
             continue
@@ -34,24 +35,76 @@ def _uses_batch_norm(fa: FileAnalysis) -> bool:
     return False
 
 
+def _uses_batch_norm(fa: FileAnalysis) -> bool:
+    return any(_BATCH_NORM.match(name) for name in fa.index.seen) or _builds_bn_model(fa)
+
+
 def _keeps_eval_in_train(fa: FileAnalysis) -> bool:
     """`def train(self, mode=True): super().train(mode); self.backbone.eval()`: the
     frozen part stays in eval mode while training, so its statistics never change."""
     return any(site.scope.is_method and site.scope.name == "train" for site in fa.calls("eval"))
 
 
+def _freezes_parameters(fa: FileAnalysis) -> bool:
+    """`encoder.requires_grad_(False)` or `p.requires_grad = False` somewhere."""
+    if any(
+        is_constant(argument(s.call, 0, "requires_grad"), False) for s in fa.calls("requires_grad_")
+    ):
+        return True
+    return any(
+        isinstance(a.target, ast.Attribute)
+        and a.target.attr == "requires_grad"
+        and is_constant(a.value, False)
+        for a in fa.index.assignments
+    )
+
+
 def _frozen_feature_norm(fa: FileAnalysis) -> bool:
-    """Every BatchNorm is `affine=False` (a feature normaliser) and the encoder it
-    normalises is frozen (`requires_grad_(False)` and `.eval()`)."""
-    norms = [
-        site
-        for name, sites in fa.calls_by_tail.items()
-        if _BATCH_NORM.match(name)
-        for site in sites
-    ]
-    if not norms or not all(is_constant(argument(s.call, None, "affine"), False) for s in norms):
+    """Every BatchNorm is `affine=False` (a feature normaliser in front of a linear probe's
+    head, MoCo v3 / MAE style) and the encoder it normalises is frozen."""
+    norms = {name: sites for name, sites in fa.calls_by_tail.items() if _BATCH_NORM.match(name)}
+    if not norms or _builds_bn_model(fa):
         return False
-    return bool(fa.calls("requires_grad_") and fa.calls("eval"))
+    # A BatchNorm class passed along uncalled (`norm_layer=nn.BatchNorm2d`) has its affine.
+    if any(_BATCH_NORM.match(name) and name not in norms for name in fa.index.seen):
+        return False
+    if not all(
+        is_constant(argument(s.call, None, "affine"), False)
+        for sites in norms.values()
+        for s in sites
+    ):
+        return False
+    return _freezes_parameters(fa)
+
+
+def _method_calls(fa: FileAnalysis, name: str, method: str, scope: Scope) -> list[Site]:
+    return [
+        site
+        for site in fa.calls(method)
+        if site.scope is scope
+        and isinstance(site.call.func, ast.Attribute)
+        and isinstance(site.call.func.value, ast.Name)
+        and site.call.func.value.id == name
+    ]
+
+
+def _frozen_in_eval_mode(fa: FileAnalysis, wrap: Site) -> bool:
+    """Linear evaluation of a pretrained network: `model.requires_grad_(False)` (all but
+    the head), and `model.eval()` while it trains, with `model.train()` only on another
+    branch (fine-tuning), so the BatchNorm layers keep their pretrained statistics."""
+    model = argument(wrap.call, 0, "module")
+    if not isinstance(model, ast.Name):
+        return False
+    frozen = any(
+        is_constant(argument(s.call, 0, "requires_grad"), False)
+        for s in _method_calls(fa, model.id, "requires_grad_", wrap.scope)
+    )
+    if not frozen or not _method_calls(fa, model.id, "eval", wrap.scope):
+        return False
+    return all(
+        any(isinstance(g.owner, ast.If) for g in s.guards)
+        for s in _method_calls(fa, model.id, "train", wrap.scope)
+    )
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
@@ -61,6 +114,8 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
     if not _uses_batch_norm(fa):
         return
     if fa.mentions(_FROZEN) or _keeps_eval_in_train(fa) or _frozen_feature_norm(fa):
+        return
+    if all(_frozen_in_eval_mode(fa, wrap) for wrap in wraps):
         return
     yield (
         wraps[0].node,
