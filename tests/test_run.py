@@ -124,6 +124,75 @@ def test_a_crashing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
     assert len(pids) == 2 and wait_gone(pids, within=5) == []
 
 
+# Rank 1 fails while it starts; torchrun then stops rank 0 with SIGTERM.
+EARLY_CRASH = """
+import os, time
+if os.environ["RANK"] == "1":
+    raise ValueError("rank one is broken")
+time.sleep(30)
+"""
+
+
+def test_the_rank_that_failed_is_blamed_not_the_rank_torchrun_stopped(tmp_path: Path) -> None:
+    # torch stamps the stopped rank's failure in whole seconds, which used to sort it
+    # before the real error (4 runs in 5 blamed rank 0).
+    script = _script(tmp_path, "early.py", EARLY_CRASH)
+    for _ in range(2):
+        out = run_cli("run", "--nproc", "2", str(script))
+        assert out.returncode == 1, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert last.startswith("ddpkit: the job failed: rank 1 raised ValueError"), last
+
+
+def _node(
+    rank: int, port: int, script: Path, tmp_path: Path, timeout: str
+) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--node-rank", str(rank)]
+        + ["--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc", "1"]
+        + ["--rdzv-timeout", timeout, str(script)],
+        env={**os.environ, "PID_DIR": str(tmp_path)},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _no_traceback(err: str) -> None:
+    assert "Traceback" not in err and "frame #" not in err, err[-3000:]
+
+
+def test_node_0_whose_peers_never_join_says_so_in_one_line(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleep.py", SLEEP)
+    node = _node(0, _free_port(), script, tmp_path, "3")
+    _, err = node.communicate(timeout=60)
+    assert node.returncode == 2, err
+    _no_traceback(err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ddpkit: error: the other nodes did not join within 3 s"), last
+    assert "--rdzv-timeout" in last
+
+
+def test_a_node_that_loses_node_0_mid_run_says_so_in_one_line(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleep.py", SLEEP)
+    port = _free_port()
+    nodes = [_node(r, port, script, tmp_path, "30") for r in (0, 1)]
+    try:
+        wait_for_files([tmp_path / "0.pid", tmp_path / "1.pid"])
+        nodes[0].kill()  # node 0 and its rendezvous store vanish
+        _, err = nodes[1].communicate(timeout=90)
+    finally:
+        for n in nodes:
+            n.kill()
+            n.communicate()
+    assert nodes[1].returncode == 1, err
+    _no_traceback(err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ddpkit: the job failed: lost the rendezvous on node 0"), last
+    assert wait_gone(_pids(tmp_path), within=10) == []
+
+
 def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) -> None:
     script = _script(tmp_path, "hang.py", HANG)
     start = time.monotonic()
@@ -210,6 +279,45 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_exactly(tmp_path: Path
     killed = job("b", "kill")
     assert killed == straight  # same digest, same number of steps
     assert straight["steps"] == 6 * 32
+
+
+def test_a_finished_run_leaves_nothing_in_the_temp_folder(tmp_path: Path) -> None:
+    script = _script(tmp_path, "ok.py", "print('hi')\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    out = run_cli("run", "--nproc", "2", str(script), env={"TMPDIR": str(scratch)})
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in scratch.iterdir()) == []  # no torchelastic_*/ tree
+
+
+def test_a_killed_jobs_scratch_folder_is_swept_by_the_next_job(tmp_path: Path) -> None:
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "TMPDIR": str(scratch), "PID_DIR": str(tmp_path)}
+    job = _script(
+        tmp_path,
+        "job.py",
+        """
+        import os, sys, time
+        from pathlib import Path
+        from ddpkit import launch
+
+        def work(ctx, seconds):
+            Path(os.environ["PID_DIR"], f"{ctx.rank}.pid").write_text(str(os.getpid()))
+            time.sleep(seconds)
+
+        if __name__ == "__main__":
+            launch(work, float(sys.argv[1]), nprocs=2)
+        """,
+    )
+    killed = subprocess.Popen([sys.executable, str(job), "300"], env=env, cwd=ROOT)
+    wait_for_files([tmp_path / "0.pid", tmp_path / "1.pid"])
+    killed.kill()  # SIGKILL: the parent cannot remove its folder
+    killed.wait()
+    assert wait_gone(_pids(tmp_path), within=10) == []  # the workers die with it
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("ddpkit-")] != []
+    subprocess.run([sys.executable, str(job), "0"], env=env, cwd=ROOT, timeout=120, check=True)
+    assert sorted(p.name for p in scratch.iterdir()) == []
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -18,7 +18,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -27,7 +26,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddpkit.diagnosis.report import (
+# torch's C++ store client prints a warning with a C++ stack for every call that fails
+# once node 0 is gone; ddpkit says what happened in one line instead. The level is read
+# when torch loads, so it is set before; the workers get the user's setting back.
+_QUIET_CPP_LOG = "TORCH_CPP_LOG_LEVEL" not in os.environ
+if _QUIET_CPP_LOG:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+
+from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+
+from ddpkit.diagnosis.report import (  # noqa: E402
     DEFAULT_HANG_TIMEOUT,
     HANG_EXIT,
     HangJudge,
@@ -35,8 +46,9 @@ from ddpkit.diagnosis.report import (
     read_reports,
     status_key,
 )
-from ddpkit.errors import ConfigError
-from ddpkit.launcher import serve_store, threads_per_rank
+from ddpkit.errors import ConfigError  # noqa: E402
+from ddpkit.launcher import serve_store, threads_per_rank  # noqa: E402
+from ddpkit.scratch import scratch_dir  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -80,7 +92,7 @@ def run_script(opts: AgentOptions) -> int:
         port = opts.master_port
         _wait_for_master(host, port, opts.rdzv_timeout)
     _patch_agent_store(loopback=local)
-    status = Path(tempfile.mkdtemp(prefix="ddpkit-run-"))
+    status = scratch_dir("run")
     env = {
         **_thread_env(opts.nproc),
         "DDPKIT_STATUS_DIR": str(status),
@@ -96,12 +108,15 @@ def run_script(opts: AgentOptions) -> int:
             if name not in os.environ:
                 env[name] = "lo"
     os.environ.update(env)
+    if _QUIET_CPP_LOG:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
     torchrun_args = [
         *("--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc)),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id),
         *("--rdzv-conf", f"is_host=false,join_timeout={int(opts.rdzv_timeout)}"),
         *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
+        *("--log-dir", str(status / "torchelastic")),  # else torch leaves one in $TMPDIR
         *(["--local-addr", "127.0.0.1"] if local else []),
         *("--module", "ddpkit.diagnosis.shim", *opts.command),
     ]
@@ -111,6 +126,21 @@ def run_script(opts: AgentOptions) -> int:
             reports = _StoreReports(host, port, opts.nnodes * opts.nproc)
         world = opts.nproc if single else opts.nnodes * opts.nproc
         return _supervise(torchrun_args, status, reports, opts.hang_timeout, world)
+    except RendezvousTimeoutError:
+        raise ConfigError(
+            f"the other nodes did not join within {opts.rdzv_timeout:.0f} s: start all "
+            f"{opts.nnodes} nodes with --master-addr {host} --master-port {port}, "
+            "or raise --rdzv-timeout"
+        ) from None
+    except RendezvousError as exc:
+        print(
+            f"ddpkit: the job failed: lost the rendezvous on node 0 ({host}:{port}, "
+            f"{type(exc).__name__}): node 0 stopped or the network failed; this node's "
+            "workers were stopped",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     finally:
         shutil.rmtree(status, ignore_errors=True)
         del store

@@ -18,7 +18,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, HangJudge, blame_key, 
 from ddpkit.diagnosis.watchdog import Watchdog
 from ddpkit.distributed import destroy_group
 from ddpkit.errors import ConfigError, HangError, WorkerError
+from ddpkit.scratch import scratch_dir
 
 log = logging.getLogger("ddpkit")
 
@@ -248,7 +248,7 @@ def _spawn(
 ) -> T:
     mp = multiprocessing.get_context("spawn")
     store: Any = serve_store(world_size=n) if init == "tcp" else None
-    tmpdir = Path(tempfile.mkdtemp(prefix="ddpkit-job-"))
+    tmpdir = scratch_dir("job")
     status = tmpdir / "status" if hang_timeout > 0 else None
     if status:
         status.mkdir()

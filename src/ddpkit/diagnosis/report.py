@@ -27,12 +27,16 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 def blame_key(exitcode: int | None, message: str, when: float) -> tuple[int, float]:
     """Sort key over failures: the one most likely to be the cause comes first.
 
-    A rank killed by a signal such as SIGKILL (the OOM killer) or SIGSEGV is a cause;
-    SIGTERM and SIGINT are how supervisors stop the other ranks, so they are not. An
-    error that says a peer went away is a consequence. Otherwise, the earliest wins.
+    A rank killed by a signal such as SIGKILL (the OOM killer) or SIGSEGV is a cause.
+    Then a rank's own error, then an error that says a peer went away (a consequence).
+    Last, a rank stopped by SIGTERM, SIGINT or SIGHUP without an error of its own: that
+    is how supervisors stop the other ranks. Within each kind, the earliest wins.
     """
-    if exitcode is not None and exitcode < 0 and -exitcode not in _STOP_SIGNALS:
-        return (0, 0.0)
+    if exitcode is not None and exitcode < 0:
+        if -exitcode not in _STOP_SIGNALS:
+            return (0, 0.0)
+        if not message:
+            return (3, when)
     return (2 if any(word in message for word in _PEER_LOST) else 1, when)
 
 
