@@ -68,6 +68,8 @@ class FileAnalysis:
         self.links: dict[str, Link] = links or {}
         # Empty when checked alone (a list holding `self` would be a reference cycle).
         self.peers: list[FileAnalysis] = []
+        # This file's place among the files checked together (what `Link.target` counts).
+        self.position = 0
         self.shared_callgraph: Callable[[], CallGraph] | None = None
         self.calls_by_tail: dict[str, list[Site]] = {}
         for site in self.index.calls:
@@ -94,6 +96,20 @@ class FileAnalysis:
         self.peers = []
         self.shared_callgraph = None
         self.__dict__.pop("callgraph", None)
+
+    @cached_property
+    def runs_as_script(self) -> bool:
+        """The file has an `if __name__ == "__main__":` block at module level."""
+        return any(isinstance(s, ast.If) and _is_main_block(s.test) for s in self.tree.body)
+
+    def imported_by_a_script(self) -> bool:
+        """Another file of the program that runs as a script imports this one."""
+        return any(
+            peer is not self
+            and peer.runs_as_script
+            and any(link.target == self.position for link in peer.links.values())
+            for peer in self.peers
+        )
 
     def program_mentions(self, name: str) -> bool:
         """True when `name` is read outside `except` in this file or a file analysed with it."""

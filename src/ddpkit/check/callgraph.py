@@ -311,6 +311,10 @@ class CallGraph:
     def witness(self, scope: Scope) -> Witness | None:
         return self._witness.get(scope)
 
+    def is_mentioned(self, fn: Scope) -> bool:
+        """True when any checked file mentions `fn` (even by a guess on a method name)."""
+        return bool(self._incoming.get(fn))
+
     def calls_of(self, fn: Scope) -> list[ast.Call]:
         """The calls, in any checked file, known for sure to call `fn`."""
         return [e.ref.call_expr for e in self._incoming.get(fn, ()) if e.exact and e.ref.call_expr]

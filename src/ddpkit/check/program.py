@@ -53,6 +53,7 @@ def analyse_program(
                 names[link.target] = frozenset(defined_names(files[link.target][1]))
             linked |= names[link.target]
         analyses.append(FileAnalysis(tree, file_links, frozenset(linked)))
+        analyses[-1].position = len(analyses) - 1
     if len(analyses) < 2:
         return analyses
 
