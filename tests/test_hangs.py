@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 import ddpkit
 from ddpkit import Callback, DistContext, HangError, TrainConfig, Trainer, launch
+from ddpkit.diagnosis.watchdog import _user_frame, describe
 from tests.conftest import ROOT
 from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
 
@@ -199,3 +200,21 @@ def test_info_warns_about_a_torch_outside_the_tested_range() -> None:
     assert torch_problem("2.6.0+cu124") is None and torch_problem("2.13.0+cpu") is None
     assert "outside the range ddpkit is tested on (2.6 to 2.15)" in str(torch_problem("2.5.1"))
     assert torch_problem("3.0.0") is not None
+
+
+def test_a_rank_inside_backward_is_shown_at_the_users_backward_line() -> None:
+    # DDP's gradient all-reduce blocks inside torch's autograd engine; the report used
+    # to name torch/autograd/graph.py instead of the line that called backward().
+    seen: list[str] = []
+    weight = torch.ones(3, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        # Called from C++ in the engine: the next Python frame is torch's own, where a
+        # sample of the blocked main thread finds it.
+        seen.append(describe(_user_frame(sys._getframe().f_back)))
+        return grad
+
+    weight.register_hook(hook)
+    line = sys._getframe().f_lineno + 1
+    (weight * 2).sum().backward()
+    assert seen == [f"{__file__}:{line} in {sys._getframe().f_code.co_name}"]

@@ -148,9 +148,11 @@ def _node(
     rank: int, port: int, script: Path, tmp_path: Path, timeout: str
 ) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--node-rank", str(rank)]
-        + ["--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc", "1"]
-        + ["--rdzv-timeout", timeout, str(script)],
+        [
+            *(sys.executable, "-m", "ddpkit", "run", "--nnodes", "2", "--node-rank", str(rank)),
+            *("--master-addr", "127.0.0.1", "--master-port", str(port), "--nproc", "1"),
+            *("--rdzv-timeout", timeout, str(script)),
+        ],
         env={**os.environ, "PID_DIR": str(tmp_path)},
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -208,6 +210,23 @@ def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) 
     assert "rank 0 waits in barrier #5; rank 1 never reached it" in summary
     assert summary.index("Where each rank is") < summary.index("Python stack of rank 0")
     assert elapsed < 10 + 30, f"took {elapsed:.0f}s"
+    assert wait_gone(_pids(tmp_path), within=5) == []
+
+
+def test_a_rank_that_ended_its_script_is_described_as_finished(tmp_path: Path) -> None:
+    # It used to be shown "at .../ddpkit/_shim.py:40 in main", where the shim waited.
+    script = _script(
+        tmp_path,
+        "ends.py",
+        PIDS + "import time\nif rank == 1:\n    time.sleep(10**6)  # never ends\n",
+    )
+    out = run_cli(
+        "run", "--nproc", "2", "--hang-timeout", "5", str(script), env={"PID_DIR": str(tmp_path)}
+    )
+    assert out.returncode == 124, out.stderr
+    summary = out.stderr[out.stderr.index("ddpkit: the job is hung") :]
+    assert "rank 0: finished" in summary and "shim.py" not in summary, summary
+    assert f"rank 1: not in a collective, at {script}:8" in summary, summary
     assert wait_gone(_pids(tmp_path), within=5) == []
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -29,7 +30,11 @@ from typing import Any
 
 from ddpkit.collectives import COLLECTIVES, POINT_TO_POINT
 
-_OWN_FILES = (__file__, "torch/distributed/", "multiprocessing/", "threading.py", "runpy.py")
+# torch's own frames too: a rank blocked in DDP's gradient all-reduce sits in
+# torch/autograd/graph.py, but the line to show is the user's `loss.backward()`.
+_TORCH_SPEC = importlib.util.find_spec("torch")
+_TORCH_DIR = os.path.dirname(_TORCH_SPEC.origin or "") + os.sep if _TORCH_SPEC else "torch/"
+_OWN_FILES = (__file__, _TORCH_DIR, "multiprocessing/", "threading.py", "runpy.py")
 # Frames of the machinery that starts a worker: left out of the stacks we show.
 _PLUMBING = (
     __file__,
