@@ -15,6 +15,10 @@ the entry gives one (within `--line-slack`). Prints a table per repository, over
 precision and recall, false positives at error severity and files/s; the JSON
 result goes to `--out` (default bench/results/check_corpus.json). Without the files
 it prints one line saying so and exits 0.
+
+Entries marked `"heldout": true` come from repositories the rules were not tuned on.
+When both kinds are scored, a `tuned:` and a `held-out:` line follow the overall one;
+`--heldout-only` scores the held-out repositories alone.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Entry:
     group: str
     expected: tuple[Expected, ...]
     safe: tuple[Expected, ...]
+    heldout: bool = False
 
 
 def load_corpus(path: Path = CORPUS) -> list[Entry]:
@@ -79,8 +84,12 @@ def load_corpus(path: Path = CORPUS) -> list[Entry]:
                 raw.get("group", raw["repo"]),
                 items("expected"),
                 items("safe"),
+                bool(raw.get("heldout", False)),
             )
         )
+    mixed = {e.group for e in entries if e.heldout} & {e.group for e in entries if not e.heldout}
+    if mixed:
+        raise ValueError(f"groups mix held-out and tuned entries: {sorted(mixed)}")
     return entries
 
 
@@ -107,6 +116,7 @@ def fetch(entries: list[Entry], dest: Path, timeout: float = 30.0) -> int:
 @dataclass
 class GroupScore:
     group: str
+    heldout: bool = False
     files: int = 0
     tp: int = 0
     fn: int = 0
@@ -127,7 +137,12 @@ def score_group(group: str, entries: list[Entry], root: Path, slack: int) -> Gro
     listed = {e.path: e for e in entries}
     start = time.perf_counter()
     report = check_paths([folder])
-    result = GroupScore(group, files=report.files_checked, seconds=time.perf_counter() - start)
+    result = GroupScore(
+        group,
+        heldout=any(e.heldout for e in entries),
+        files=report.files_checked,
+        seconds=time.perf_counter() - start,
+    )
     matched: set[tuple[str, int]] = set()
     for f in report.findings:
         rel = Path(f.path).resolve().relative_to(folder.resolve()).as_posix()
@@ -176,8 +191,41 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def run(root: Path, corpus: Path, out: Path | None, slack: int, verbose: bool) -> int:
+def summary(scores: list[GroupScore]) -> dict[str, Any]:
+    """Totals over some groups: counts, precision, recall, error-severity FPs."""
+    tp, fp, fn = (sum(getattr(s, k) for s in scores) for k in ("tp", "fp", "fn"))
+    return {
+        "repositories": len(scores),
+        "files": sum(s.files for s in scores),
+        "tp": tp,
+        "fp": fp,
+        "fn": fn,
+        "precision": _ratio(tp, tp + fp),
+        "recall": _ratio(tp, tp + fn),
+        "false_positives_error": sum(s.fp_errors for s in scores),
+    }
+
+
+def _summary_line(label: str, s: dict[str, Any]) -> str:
+    return (
+        f"{label}: {s['repositories']} repositories, {s['files']} files, "
+        f"precision {_fmt(s['precision'])}, recall {_fmt(s['recall'])} "
+        f"(tp {s['tp']}, fp {s['fp']}, fn {s['fn']}), "
+        f"false positives at error severity {s['false_positives_error']}"
+    )
+
+
+def run(
+    root: Path,
+    corpus: Path,
+    out: Path | None,
+    slack: int,
+    verbose: bool,
+    heldout_only: bool = False,
+) -> int:
     entries = load_corpus(corpus)
+    if heldout_only:
+        entries = [e for e in entries if e.heldout]
     groups: dict[str, list[Entry]] = {}
     for e in entries:
         groups.setdefault(e.group, []).append(e)
@@ -188,8 +236,9 @@ def run(root: Path, corpus: Path, out: Path | None, slack: int, verbose: bool) -
     scores = [score_group(g, groups[g], root, slack) for g in sorted(present)]
     print(f"{'repository':40} {'files':>5} {'tp':>4} {'fp':>4} {'fn':>4} {'prec':>5} {'rec':>5}")
     for s in scores:
+        name = f"{s.group} *" if s.heldout else s.group
         print(
-            f"{s.group:40} {s.files:5d} {s.tp:4d} {s.fp:4d} {s.fn:4d} "
+            f"{name:40} {s.files:5d} {s.tp:4d} {s.fp:4d} {s.fn:4d} "
             f"{_fmt(_ratio(s.tp, s.tp + s.fp)):>5} {_fmt(_ratio(s.tp, s.tp + s.fn)):>5}"
         )
     tp, fp, fn = (sum(getattr(s, k) for s in scores) for k in ("tp", "fp", "fn"))
@@ -204,6 +253,14 @@ def run(root: Path, corpus: Path, out: Path | None, slack: int, verbose: bool) -
         f"precision {_fmt(precision)}, recall {_fmt(recall)} (tp {tp}, fp {fp}, fn {fn}), "
         f"false positives at error severity {fp_errors}, {rate:.0f} files/s"
     )
+    held = [s for s in scores if s.heldout]
+    tuned = [s for s in scores if not s.heldout]
+    splits = {"tuned": summary(tuned), "heldout": summary(held)} if held and tuned else {}
+    if splits:
+        print(_summary_line("tuned", splits["tuned"]))
+        print(_summary_line("held-out (*)", splits["heldout"]))
+    elif held:
+        print("(*) held-out: repositories the rules were not tuned on")
     if verbose:
         for s in scores:
             for f in s.false_positives:
@@ -225,6 +282,7 @@ def run(root: Path, corpus: Path, out: Path | None, slack: int, verbose: bool) -
             "recall": recall,
             "false_positives_error": fp_errors,
             "files_per_s": rate,
+            **splits,
             "groups": [s.__dict__ for s in scores],
         }
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
@@ -239,12 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result")
     parser.add_argument("--line-slack", type=int, default=0, help="line tolerance when matching")
     parser.add_argument("-v", "--verbose", action="store_true", help="list FPs and misses")
+    parser.add_argument(
+        "--heldout-only", action="store_true", help="score only the held-out repositories"
+    )
     args = parser.parse_args(argv)
     if args.fetch is not None:
         failed = fetch(load_corpus(args.corpus), args.fetch)
         print(f"fetched into {args.fetch}; {failed} failed")
         return 1 if failed else 0
-    return run(args.files, args.corpus, args.out, args.line_slack, args.verbose)
+    return run(args.files, args.corpus, args.out, args.line_slack, args.verbose, args.heldout_only)
 
 
 if __name__ == "__main__":
