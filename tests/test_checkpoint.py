@@ -71,8 +71,8 @@ def test_truncated_newest_is_reported_and_skipped(
     assert found is not None
     path, state = found
     assert path.name == "ckpt-000000001.pt" and state["epoch"] == 1
-    assert "ckpt-000000002.pt is truncated or corrupt" in caplog.text
-    assert "resuming from the older checkpoint ckpt-000000001.pt" in caplog.text
+    assert "skipped corrupt ckpt-000000002.pt: truncated or corrupt (" in caplog.text
+    assert "; resuming from ckpt-000000001.pt" in caplog.text
     assert "delete it" not in caplog.text  # the older one is already used: no advice to do that
 
 
@@ -117,7 +117,8 @@ def test_an_unsafe_pickle_is_refused_and_never_unpickled(
     with caplog.at_level(logging.WARNING, logger="ddpkit"):
         found = latest_checkpoint(tmp_path, CTX)
     assert found is not None and found[0].name == "ckpt-000000001.pt"
-    assert "ckpt-000000002.pt was refused" in caplog.text and "older" in caplog.text
+    assert "skipped refused ckpt-000000002.pt: it holds Python objects" in caplog.text
+    assert "; resuming from ckpt-000000001.pt" in caplog.text
     assert not marker.exists()
 
 
@@ -283,8 +284,10 @@ def test_every_rank_loads_the_file_rank0_chose(tmp_path: Path) -> None:
     assert broken[0] == broken[1] and broken[0].startswith("error: no checkpoint in")
     warned, quiet = logged
     assert quiet == []  # logged once, by rank 0
-    assert len(warned) == 1 and "older checkpoint ckpt-000000005.pt" in warned[0]
-    assert "ckpt-000000010.pt is truncated or corrupt" in warned[0]
+    assert warned == [
+        "skipped corrupt ckpt-000000010.pt: truncated or corrupt (RuntimeError); "
+        "resuming from ckpt-000000005.pt"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,15 @@ intact. Loading uses `weights_only=True` (no arbitrary code from a pickle: a fil
 holds other Python objects is refused, never unpickled) and maps tensors onto the loading
 rank's own device. On resume, rank 0 alone chooses the checkpoint and every rank loads
 exactly that file (checked by its sha256), or every rank stops with the same error.
+
+A checkpoint also records what wrote it: the command, host and pid, and a fingerprint of
+the model's tensor names and shapes, so that a job is not resumed from another model's
+checkpoint. A `Trainer` holds its folder's lock (see `ddpkit.storage`) while it runs.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import logging
@@ -19,6 +24,8 @@ import os
 import pickle
 import re
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +37,23 @@ from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
 from ddpkit.model import strip_prefixes, unwrap
 from ddpkit.seed import rng_state
+from ddpkit.storage import (
+    FolderLock,
+    holds_lock,
+    host_token,
+    is_running,
+    os_error_in,
+    this_process,
+    write_failure,
+)
 
 log = logging.getLogger("ddpkit")
 
 FORMAT = "ddpkit-checkpoint/1"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+# A temporary file names its writer (`.ckpt-<step>.pt.<pid>@<host>.<random>.tmp`), so that
+# clearing the ones of crashed saves never deletes one that another process is writing.
+_TEMP = re.compile(r"^\.ckpt-\d+\.pt\.(?:(\d+)@([\w-]*)\.)?\w+\.tmp$")
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -66,8 +85,34 @@ def check_writable(directory: str | os.PathLike[str]) -> Path:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, fsync, then rename over `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """torch.save to a temporary file beside `path`, fsync, then rename over `path`.
+
+    Raises:
+        CheckpointError: the file could not be written (say the disk is full); the
+            temporary file is removed and `path` is left as it was.
+    """
+    try:
+        _write_atomically(obj, path)
+    except _WriteFailed as exc:
+        raise CheckpointError(f"{exc.what}: {exc.fix}") from None
+
+
+class _WriteFailed(Exception):
+    """A checkpoint write that failed: `what` happened and the `fix`."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        self.what, self.fix = what, fix
+        super().__init__(what)
+
+
+def _write_atomically(obj: Any, path: Path) -> None:
+    me = this_process()
+    prefix = f".{path.name}.{me.pid}@{host_token(me.host)}."
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
+    except OSError as exc:  # no inode left, say
+        what, fix = write_failure(exc, path.parent)
+        raise _WriteFailed(f"cannot write checkpoint {path}: {what}", fix) from None
     try:
         # mkstemp makes the file private (0600); give it the mode a plain open() would.
         umask = os.umask(0)
@@ -78,15 +123,69 @@ def atomic_save(obj: Any, path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
-        raise
+        error = os_error_in(exc) if isinstance(exc, Exception) else None
+        if error is None:
+            raise  # not the disk's doing (say an object torch cannot save): as it was
+        needed = _serialised_size(obj) if error.errno in _ROOM_ERRNOS else None
+        what, fix = write_failure(error, path.parent, needed)
+        raise _WriteFailed(f"cannot write checkpoint {path}: {what}", fix) from None
     # Make the rename itself durable (the directory entry), not only the file data.
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class _Counter:
+    """A file that keeps nothing and counts the bytes written to it."""
+
+    def __init__(self) -> None:
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        n = memoryview(data).nbytes
+        self.size += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _serialised_size(obj: Any) -> int | None:
+    """The exact size of `obj` saved, without holding it in memory (it is serialised
+    again, only after a write ran out of room); None if that fails too."""
+    counter = _Counter()
+    try:
+        torch.save(obj, counter)  # type: ignore[arg-type]  # write() is all it needs
+    except Exception:
+        return None
+    return counter.size
+
+
+def _clear_temporaries(folder: Path) -> None:
+    """Delete the temporary files of saves that crashed mid-write, and only those: one
+    whose writer still runs on this host is being written. A temporary file of another
+    host, or from before writers were named, is deleted only by the holder of the
+    folder's lock, as then no other ddpkit job writes here."""
+    me = this_process()
+    locked: bool | None = None
+    for tmp in folder.glob(".ckpt-*.tmp"):
+        m = _TEMP.match(tmp.name)
+        if m and m.group(1) and m.group(2) == host_token(me.host):
+            pid = int(m.group(1))
+            crashed = pid != me.pid and not is_running(pid)
+        else:
+            if locked is None:
+                locked = holds_lock(folder)
+            crashed = locked
+        if crashed:
+            tmp.unlink(missing_ok=True)
 
 
 def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any]:
@@ -126,27 +225,158 @@ def save_checkpoint(
     """
     rngs = _gather_to_main(rng_state(), ctx)
     path = checkpoint_path(directory, step)
-    if ctx.is_main:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(".ckpt-*.tmp"):  # left by a crash mid-save
-            stale.unlink(missing_ok=True)
-        payload = {**state, "rng": rngs, "world_size": ctx.world_size, "format": FORMAT}
-        atomic_save(payload, path)
-        if keep_last is not None:
-            for old in list_checkpoints(path.parent)[:-keep_last]:
-                old.unlink(missing_ok=True)
-    if ctx.distributed:
-        dist.barrier()
+    # The other ranks wait until rank 0 has written (so nobody reads or deletes a
+    # checkpoint still being written), and they stop with rank 0's error if it failed.
+    _on_rank0(
+        lambda: _write_checkpoint(state, rngs, ctx.world_size, path, keep_last),
+        ctx,
+        f"write checkpoint {path}",
+    )
     return path
+
+
+def _write_checkpoint(
+    state: dict[str, Any], rngs: list[Any], world_size: int, path: Path, keep_last: int | None
+) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _clear_temporaries(path.parent)
+    payload = {**state, "rng": rngs, "world_size": world_size, "format": FORMAT}
+    model = state.get("model")
+    if isinstance(model, dict):
+        payload["model_fingerprint"] = model_fingerprint(model)
+    me = this_process()
+    payload["writer"] = {"command": me.command, "host": me.host, "pid": me.pid, "time": me.since}
+    try:
+        _write_atomically(payload, path)
+    except _WriteFailed as exc:
+        # A failed write touches no checkpoint (not even one of the same name).
+        before = list_checkpoints(path.parent)
+        kept = (
+            f"{before[-1].name}, the newest checkpoint, is intact"
+            if before
+            else "the folder holds no checkpoint yet"
+        )
+        raise CheckpointError(
+            f"{exc.what}; {kept} and no partial file was left: {exc.fix}, or pass "
+            "--checkpoint-dir on another disk"
+        ) from None
+    if keep_last is not None:
+        for old in list_checkpoints(path.parent)[:-keep_last]:
+            old.unlink(missing_ok=True)
+
+
+def model_fingerprint(state: dict[str, Any]) -> str:
+    """sha256 of a model state dict's tensor names and shapes (not its values): what a
+    checkpoint must match to load into a model."""
+    text = "\n".join(f"{name} {list(shape)}" for name, shape in sorted(_shapes(state).items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _shapes(state: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return {
+        name: tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+        for name, value in strip_prefixes(state).items()
+    }
+
+
+def check_same_model(model: nn.Module, state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Raise CheckpointError, naming both models, when checkpoint `state` (as loaded)
+    holds other tensors than `model` has; checkpoints that predate the recorded model
+    class and fingerprint are compared by their tensors alone.
+
+    Call it on every rank: they load the same file into the same model, so all of them
+    raise, or none."""
+    bare = unwrap(model)
+    ours, theirs = _shapes(bare.state_dict()), _shapes(state["model"])
+    if ours == theirs:
+        return
+    missing = [n for n in ours if n not in theirs]
+    extra = [n for n in theirs if n not in ours]
+    resized = [n for n in ours if n in theirs and ours[n] != theirs[n]]
+    differences = []
+    if missing:
+        differences.append(f"it lacks {len(missing)} of this model's tensors, e.g. {missing[0]!r}")
+    if extra:
+        differences.append(f"it has {len(extra)} that this model lacks, e.g. {extra[0]!r}")
+    if resized:
+        name = resized[0]
+        differences.append(
+            f"{len(resized)} differ in shape, e.g. {name!r}: {list(theirs[name])} in it, "
+            f"{list(ours[name])} in this model"
+        )
+    written = state.get("model_class") or "a model whose class was not recorded"
+    if state.get("model_fingerprint"):
+        written += f" (fingerprint {str(state['model_fingerprint'])[:12]})"
+    command = (state.get("writer") or {}).get("command")
+    if command:
+        written += f" by `{command}`"
+    raise CheckpointError(
+        f"checkpoint {path} holds another model ({'; '.join(differences)}): it was written "
+        f"for {written}; this job's model is {model_class_name(bare)} (fingerprint "
+        f"{model_fingerprint(bare.state_dict())[:12]}): give each job its own "
+        "--checkpoint-dir, or drop --resume to start from scratch"
+    )
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The class of the bare `model`, as a person would import it ("torch.nn.Linear",
+    "mypackage.nets.ResNet")."""
+    cls = type(unwrap(model))
+    module = cls.__module__
+    if module.startswith("torch.nn.modules."):  # torch.nn.modules.linear.Linear
+        module = "torch.nn"
+    return f"{module}.{cls.__qualname__}"
+
+
+def lock_folder(directory: str | os.PathLike[str], ctx: DistContext) -> FolderLock | None:
+    """Take `directory`'s lock for this job: rank 0 takes it, the other ranks get None.
+
+    A collective: call it on EVERY rank. When the lock is held by another job that
+    still runs, every rank raises the same CheckpointError naming that job.
+    """
+    lock = FolderLock(directory) if ctx.is_main else None
+    _on_rank0(lock.acquire if lock else _nothing, ctx, f"lock {directory}")
+    return lock
+
+
+def _nothing() -> None:
+    pass
+
+
+def _on_rank0(action: Callable[[], None], ctx: DistContext, what: str) -> None:
+    """Run `action` on rank 0 alone; then every rank returns, or raises rank 0's
+    CheckpointError (rank 0 raises its own error, whatever it is). A collective: the
+    other ranks wait until rank 0 is done, and none is left waiting when it fails."""
+    outcome: list[str | None] = [None]
+    failure: Exception | None = None
+    if ctx.is_main:
+        try:
+            action()
+        except Exception as exc:
+            failure = exc
+            outcome = [
+                str(exc)
+                if isinstance(exc, CheckpointError)
+                else f"rank 0 failed to {what}: see rank 0's error"
+            ]
+    if ctx.distributed:
+        dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[0] is not None:
+        raise CheckpointError(outcome[0])
 
 
 class _Unreadable(Exception):
     """Why one checkpoint file could not be loaded: `reason` (what is wrong with the file)
-    and `fix` (what to do about it when this file was asked for by name)."""
+    and `fix` (what to do about it when this file was asked for by name); `kind` and
+    `detail` say it short, for the line that reports a skipped file."""
 
-    def __init__(self, reason: str, fix: str) -> None:
+    def __init__(self, reason: str, fix: str, kind: str, detail: str) -> None:
         self.reason = reason
         self.fix = fix
+        self.kind = kind
+        self.detail = detail
         super().__init__(f"{reason}: {fix}")
 
 
@@ -173,26 +403,34 @@ def _decode(data: bytes, path: Path, ctx: DistContext) -> dict[str, Any]:
         text = str(exc)
         refusal = _REFUSAL.search(text) if "Weights only load failed" in text else None
         if refusal is None:
-            raise _Unreadable(
-                f"checkpoint {path} is truncated or corrupt (UnpicklingError)", _DELETE_IT
-            ) from None
+            raise _corrupt(path, "UnpicklingError") from None
         what = f"GLOBAL {refusal.group(1).rstrip('.')}" if refusal.group(1) else refusal.group(0)
+        detail = (
+            "it holds Python objects that a weights-only load does not allow (it could run "
+            f"code), so it was not unpickled ({what})"
+        )
         raise _Unreadable(
-            f"checkpoint {path} was refused: it holds Python objects that a weights-only "
-            f"load does not allow (it could run code), so it was not unpickled ({what})",
+            f"checkpoint {path} was refused: {detail}",
             "save_checkpoint writes only tensors and plain values, so this file was written "
             f"by something else or altered; {_DELETE_IT}",
+            "refused",
+            detail,
         ) from None
     except Exception as exc:
-        raise _Unreadable(
-            f"checkpoint {path} is truncated or corrupt ({type(exc).__name__})", _DELETE_IT
-        ) from None
+        raise _corrupt(path, type(exc).__name__) from None
     if not isinstance(state, dict) or "model" not in state:
         raise _Unreadable(
             f"{path} is not a ddpkit checkpoint (no 'model' entry)",
             f"pass a file written by save_checkpoint, or {_DELETE_IT}",
+            "foreign",
+            "not a ddpkit checkpoint (no 'model' entry)",
         )
     return state
+
+
+def _corrupt(path: Path, error: str) -> _Unreadable:
+    detail = f"truncated or corrupt ({error})"
+    return _Unreadable(f"checkpoint {path} is {detail}", _DELETE_IT, "corrupt", detail)
 
 
 def _load(path: Path, ctx: DistContext) -> tuple[dict[str, Any], str]:
@@ -201,12 +439,18 @@ def _load(path: Path, ctx: DistContext) -> tuple[dict[str, Any], str]:
         data = _read_bytes(path)
     except FileNotFoundError:
         raise _Unreadable(
-            f"checkpoint {path} does not exist", "pass the path of an existing ckpt-*.pt file"
+            f"checkpoint {path} does not exist",
+            "pass the path of an existing ckpt-*.pt file",
+            "vanished",
+            "it no longer exists",
         ) from None
     except OSError as exc:
+        detail = f"cannot be read ({exc.strerror or exc})"
         raise _Unreadable(
-            f"checkpoint {path} cannot be read ({exc.strerror or exc})",
+            f"checkpoint {path} {detail}",
             "check that the file and its folder are readable by this user",
+            "unreadable",
+            detail,
         ) from None
     return _decode(data, path, ctx), hashlib.sha256(data).hexdigest()
 
@@ -235,28 +479,36 @@ def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str,
         raise CheckpointError(str(exc)) from None
 
 
+@dataclass
+class Found:
+    """The checkpoint to resume from: its `path`, its `state` as loaded, and the newer
+    files that were `skipped` ("corrupt ckpt-000000064.pt: truncated or corrupt (...)")."""
+
+    path: Path
+    state: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)
+
+    def skip_note(self) -> str:
+        """The skipped files as one clause ("skipped corrupt ckpt-...: ..."); "" if none."""
+        return "; ".join(f"skipped {s}" for s in self.skipped)
+
+
 def _newest_readable(
     directory: str | os.PathLike[str], ctx: DistContext
-) -> tuple[Path, dict[str, Any], str] | None:
-    """This process's pick: `(path, state, sha256)` of the newest checkpoint that loads,
-    None when there is none. Skipped files are logged; all of them broken raises."""
+) -> tuple[Found, str] | None:
+    """This process's pick: the newest checkpoint that loads and its sha256, None when
+    there is none. All of them broken raises."""
     candidates = list_checkpoints(directory)
     broken: list[str] = []
+    skipped: list[str] = []
     for path in reversed(candidates):
         try:
             state, digest = _load(path, ctx)
         except _Unreadable as exc:
             broken.append(exc.reason)
+            skipped.append(f"{exc.kind} {path.name}: {exc.detail}")
             continue
-        if broken:
-            log.warning(
-                "resuming from the older checkpoint %s because %d newer one(s) could not be "
-                "loaded: %s (delete or move the unreadable file(s) to silence this warning)",
-                path.name,
-                len(broken),
-                "; ".join(broken),
-            )
-        return path, state, digest
+        return Found(path, state, skipped), digest
     if candidates:
         raise CheckpointError(
             f"no checkpoint in {directory} could be read ({'; '.join(broken)}): delete "
@@ -302,18 +554,40 @@ def latest_checkpoint(
 ) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in `directory` that loads, skipping (and reporting) broken ones.
 
+    As `find_checkpoint` (call it on EVERY rank), and rank 0 logs a warning for the
+    files it skipped ("skipped corrupt ckpt-...: ...; resuming from ckpt-...").
+
+    Returns:
+        `(path, state)` of the newest readable checkpoint, or None when the folder holds
+        no checkpoint.
+
+    Raises:
+        CheckpointError: as `find_checkpoint`.
+    """
+    found = find_checkpoint(directory, ctx)
+    if found is None:
+        return None
+    if found.skipped and ctx.is_main:
+        log.warning("%s; resuming from %s", found.skip_note(), found.path.name)
+    return found.path, found.state
+
+
+def find_checkpoint(directory: str | os.PathLike[str], ctx: DistContext) -> Found | None:
+    """The newest checkpoint in `directory` that loads, and the newer ones it skipped
+    because they do not load (each with the reason); nothing is logged.
+
     With a process group this is a collective: call it on EVERY rank. Rank 0 alone picks
     the checkpoint and broadcasts its name, step and sha256; every other rank loads
     exactly that file and checks its digest, so all ranks resume from the same state or
-    all of them raise the same error. Rank 0 logs any skipped files.
+    all of them raise the same error.
 
     Args:
         directory: the checkpoint folder.
         ctx: this rank's `DistContext`.
 
     Returns:
-        `(path, state)` of the newest readable checkpoint, or None when the folder holds
-        no checkpoint.
+        The checkpoint found (the same on every rank), or None when the folder holds no
+        checkpoint.
 
     Raises:
         CheckpointError: the folder holds checkpoints but none of them loads; or, in a
@@ -321,22 +595,23 @@ def latest_checkpoint(
             names the ranks, the file and why).
     """
     if not ctx.distributed:
-        found = _newest_readable(directory, ctx)
-        return None if found is None else (found[0], found[1])
+        mine = _newest_readable(directory, ctx)
+        return None if mine is None else mine[0]
 
     # Rank 0 chooses. Whatever happens there is broadcast, so no rank waits forever.
     choice: list[Any] = [None]
-    found = None
+    found: Found | None = None
     failure: BaseException | None = None
     if ctx.is_main:
         try:
-            found = _newest_readable(directory, ctx)
+            mine = _newest_readable(directory, ctx)
         except Exception as exc:
             failure = exc
             choice = [("error", str(exc) if isinstance(exc, CheckpointError) else None)]
         else:
-            if found is not None:
-                choice = [("ok", str(found[0]), _step_of(found[0]), found[2])]
+            if mine is not None:
+                found, digest = mine
+                choice = [("ok", str(found.path), _step_of(found.path), digest, found.skipped)]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return None
@@ -348,13 +623,12 @@ def latest_checkpoint(
             or f"rank 0 failed while choosing a checkpoint in {directory}: see rank 0's error"
         )
 
-    _, chosen, step, digest = choice[0]  # rank 0's path names the file in errors
+    _, chosen, step, digest, skipped = choice[0]  # rank 0's path names the file in errors
     path = Path(directory) / Path(chosen).name  # the same path when nodes share the folder
     problem: str | None = None
-    if found is not None:
-        state = found[1]
-    else:
+    if found is None:
         state, problem = _check_same_file(path, digest, ctx)
+        found = Found(path, state, skipped)
 
     # Everyone agrees on the outcome, so one rank's failure stops every rank.
     problems: list[str | None] = [None] * ctx.world_size
@@ -367,7 +641,8 @@ def latest_checkpoint(
             f"(step {step}) that rank 0 chose to resume from ({reasons}): every rank must "
             "load the same file, so fix that and resume again"
         )
-    return path, state
+    found.path = path
+    return found
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -1,7 +1,7 @@
 """Trainer: the training loop of a DDP job, with everything around it (accumulation,
 mixed precision, evaluation, logging, checkpoints and exact resume).
 
-Read `fit` top to bottom: it is the loop."""
+Read `_fit` top to bottom: it is the loop."""
 
 from __future__ import annotations
 
@@ -22,7 +22,14 @@ from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.callbacks import Callback, EarlyStopping
-from ddpkit.checkpoint import latest_checkpoint, load_model_state, save_checkpoint
+from ddpkit.checkpoint import (
+    check_same_model,
+    find_checkpoint,
+    load_model_state,
+    lock_folder,
+    model_class_name,
+    save_checkpoint,
+)
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.data import prepare_loader
@@ -167,6 +174,23 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> FitResult:
+        """Train (or, with `config.resume`, continue) to `config.epochs`. Call on every rank.
+
+        While it runs, the job holds the lock of `config.checkpoint_dir`: a second job
+        given the same folder stops with an error naming this one.
+        """
+        lock = (
+            None
+            if self.config.checkpoint_dir is None
+            else lock_folder(self.config.checkpoint_dir, self.ctx)
+        )
+        try:
+            return self._fit()
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _fit(self) -> FitResult:
         cfg = self.config
         if not self._started:
             # The model was built from one seed on every rank; from here on each rank
@@ -393,6 +417,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "model": unwrap(self.model).state_dict(),
+            # Which model wrote it, to name it when another model is resumed from it.
+            "model_class": model_class_name(self.model),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
@@ -421,11 +447,12 @@ class Trainer:
 
     def _resume(self) -> None:
         assert self.config.checkpoint_dir is not None
-        found = latest_checkpoint(self.config.checkpoint_dir, self.ctx)
+        found = find_checkpoint(self.config.checkpoint_dir, self.ctx)
         if found is None:
             self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
             return
-        path, state = found
+        path, state = found.path, found.state
+        check_same_model(self.model, state, path)  # one line naming both, not a traceback
         load_model_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for name, part in (("scheduler", self.scheduler), ("scaler", self.scaler)):
@@ -451,12 +478,23 @@ class Trainer:
                 self.ctx.world_size,
             )
         self.last_checkpoint = path
-        if self.should_stop or self.epoch >= self.config.epochs:
-            how = "stopped early" if self.should_stop else "finished"
-            self.say(f"{path}: nothing left to train, the run already {how} at epoch {self.epoch}")
+        # Said once, by rank 0, as what happened (the skipped files are already skipped).
+        skipped = f"{found.skip_note()}; " if found.skipped else ""
+        epochs = self.config.epochs
+        if self.should_stop:
+            done = f"stopped early after epoch {self.epoch}"
+        elif self.epoch == epochs:
+            done = f"finished all {epochs} epochs"
+        elif self.epoch > epochs:
+            done = f"has trained {self.epoch} epochs, more than the {epochs} asked for"
+        else:
+            where = f" after batch {self.batch}" if self.batch else ""
+            self.say(
+                f"{skipped}resumed from {path} at epoch {self.epoch + 1}{where} "
+                f"(step {self.global_step})"
+            )
             return
-        where = f" after batch {self.batch}" if self.batch else ""
-        self.say(f"resumed from {path} at epoch {self.epoch + 1}{where} (step {self.global_step})")
+        self.say(f"{skipped}nothing to do: {path} {done}")
 
     # -- pieces of a step -------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
