@@ -43,9 +43,20 @@ _EXPORTS = {
     "Job": "ddpkit.job",
     "verify": "ddpkit.verification",
     "VerifyReport": "ddpkit.verification",
+    "print": "ddpkit.ranks",
+    "barrier": "ddpkit.ranks",
+    "all_gather": "ddpkit.ranks",
+    "all_gather_object": "ddpkit.ranks",
+    "broadcast_object": "ddpkit.ranks",
+    "gather_for_metrics": "ddpkit.ranks",
+    "no_backward_sync": "ddpkit.sync",
+    "accumulate": "ddpkit.sync",
+    "Accumulation": "ddpkit.sync",
+    "Precision": "ddpkit.precision",
 }
 
 __all__ = [
+    "Accumulation",
     "Callback",
     "CheckpointError",
     "ConfigError",
@@ -55,19 +66,28 @@ __all__ = [
     "FitResult",
     "HangError",
     "Job",
+    "Precision",
     "SyncBatchNorm",
     "TrainConfig",
     "Trainer",
     "VerifyReport",
     "WorkerError",
     "__version__",
+    "accumulate",
+    "all_gather",
+    "all_gather_object",
+    "barrier",
+    "broadcast_object",
     "convert_sync_batchnorm",
+    "gather_for_metrics",
     "latest_checkpoint",
     "launch",
     "load_checkpoint",
     "model_digest",
+    "no_backward_sync",
     "prepare_loader",
     "prepare_model",
+    "print",
     "rank_seed",
     "rank_zero_first",
     "reduce_mean",
@@ -92,7 +112,17 @@ if TYPE_CHECKING:
     from ddpkit.launcher import launch
     from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums
     from ddpkit.model import prepare_model, unwrap
+    from ddpkit.precision import Precision
+    from ddpkit.ranks import (
+        all_gather,
+        all_gather_object,
+        barrier,
+        broadcast_object,
+        gather_for_metrics,
+        print,
+    )
     from ddpkit.seed import rank_seed, seed_everything
+    from ddpkit.sync import Accumulation, accumulate, no_backward_sync
     from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
     from ddpkit.trainer import FitResult, Trainer
     from ddpkit.verification import VerifyReport, verify

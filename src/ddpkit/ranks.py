@@ -1,0 +1,281 @@
+"""Talking across ranks in a hand-written loop: print once, wait for everyone, gather
+tensors, objects and per-sample metrics.
+
+Every function here works in any process: with one process, or before any process
+group exists, the collectives return their input (as a one-rank result) at once. Call
+the collectives on every rank, the same number of times: a rank that skips one leaves
+the others waiting.
+"""
+
+from __future__ import annotations
+
+import builtins
+import weakref
+from dataclasses import dataclass
+from typing import Any, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
+
+from ddpkit.context import DistContext
+from ddpkit.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _group_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _group_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def print(  # ddpkit.print: the builtin, on rank 0
+    *args: object, ctx: DistContext | None = None, all_ranks: bool = False, **print_kwargs: Any
+) -> None:
+    """`print` on rank 0 only, so a job of N processes prints each line once.
+
+    With `all_ranks=True` every rank prints, each line prefixed with `[rank r] `. The
+    rank comes from `ctx`, else from the initialised process group; with neither, this
+    is the one process and it prints. Output is flushed, so lines show up while the job
+    runs. Not a collective: call it on any rank, as often as you like::
+
+        ddpkit.print(f"epoch {epoch}: loss {loss:.4f}")            # once
+        ddpkit.print("batches here:", len(loader), all_ranks=True)  # [rank 1] batches here: 32
+    """
+    rank = ctx.rank if ctx is not None else _group_rank()
+    print_kwargs.setdefault("flush", True)
+    if not all_ranks:
+        if rank == 0:
+            builtins.print(*args, **print_kwargs)
+        return
+    sep = print_kwargs.pop("sep", None)
+    text = (" " if sep is None else sep).join(str(a) for a in args)
+    prefix = f"[rank {rank}] "
+    builtins.print("\n".join(prefix + line for line in text.split("\n")), **print_kwargs)
+
+
+def barrier() -> None:
+    """Wait here until every rank has arrived (nothing to wait for with one process).
+
+    For example, let rank 0 write a file that the others then read::
+
+        if ctx.is_main:
+            save(path)
+        ddpkit.barrier()
+        data = load(path)
+    """
+    if _group_size() > 1:
+        dist.barrier()
+
+
+def _comm_device(tensor: torch.Tensor) -> torch.device:
+    """Where the group's backend wants tensors: nccl the current GPU, gloo the CPU."""
+    backend = str(dist.get_backend())
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if backend == "gloo":
+        return torch.device("cpu")
+    return tensor.device
+
+
+def _gather_same_shape(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` (same shape everywhere), stacked: (world_size, *shape)."""
+    device = _comm_device(tensor)
+    bool_ = tensor.dtype == torch.bool  # not every backend sends bools
+    local = (tensor.to(torch.uint8) if bool_ else tensor).detach().to(device).contiguous()
+    parts = [torch.empty_like(local) for _ in range(_group_size())]
+    dist.all_gather(parts, local)
+    out = torch.stack(parts).to(tensor.device)
+    return out.bool() if bool_ else out
+
+
+def all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor`, stacked along a new first dimension (as Fabric's
+    `all_gather`): the result has shape `(world_size, *tensor.shape)`, row r from rank r.
+
+    The tensor must have the same shape and dtype on every rank (for per-sample values
+    whose count differs between ranks, use `gather_for_metrics`). With one process the
+    result is `tensor.unsqueeze(0)`. The result is on `tensor`'s device and carries no
+    gradient. A collective: call it on every rank::
+
+        correct = ddpkit.all_gather(torch.tensor(hits, device=ctx.device))  # (world_size,)
+        ddpkit.print(f"accuracy per rank: {correct.tolist()}")
+    """
+    if _group_size() == 1:
+        return tensor.unsqueeze(0)
+    return _gather_same_shape(tensor)
+
+
+def all_gather_object(obj: T) -> list[T]:
+    """Every rank's `obj` (anything that pickles), as a list indexed by rank.
+
+    With one process: `[obj]`. A collective: call it on every rank::
+
+        names = ddpkit.all_gather_object(socket.gethostname())  # ['node-a', 'node-a', ...]
+    """
+    size = _group_size()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank `src`'s `obj` (anything that pickles), returned on every rank.
+
+    What the other ranks pass is ignored (pass None). With one process: `obj` itself.
+    A collective: call it on every rank::
+
+        run_id = ddpkit.broadcast_object(make_run_id() if ctx.is_main else None)
+    """
+    if _group_size() == 1:
+        return obj
+    box: list[Any] = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Pass:
+    """How far a loader's pass has got, in samples per rank (see gather_for_metrics)."""
+
+    done: int = 0
+    epoch: int | None = None
+
+
+# One entry per loader that gather_for_metrics has seen; gone with the loader.
+_passes: weakref.WeakKeyDictionary[Any, _Pass] = weakref.WeakKeyDictionary()
+
+
+def _sampler_of(loader: Any) -> Any:
+    # ddpkit's training loader wraps its DistributedSampler; base_sampler unwraps it.
+    return getattr(loader, "base_sampler", getattr(loader, "sampler", None))
+
+
+@overload
+def gather_for_metrics(values: torch.Tensor, loader: Any = None) -> torch.Tensor: ...
+@overload
+def gather_for_metrics(
+    values: tuple[torch.Tensor, ...], loader: Any = None
+) -> tuple[torch.Tensor, ...]: ...
+@overload
+def gather_for_metrics(values: list[torch.Tensor], loader: Any = None) -> list[torch.Tensor]: ...
+
+
+def gather_for_metrics(values: Any, loader: Any = None) -> Any:
+    """Every rank's per-sample values of one batch, concatenated over the ranks.
+
+    `values` is a tensor whose dimension 0 is the batch's samples (a 0-d tensor counts
+    as one sample), or a tuple or list of such tensors with as many samples each (say
+    predictions and labels), gathered together. The ranks may hold different numbers of
+    samples; the other dimensions must agree. Call it once per batch, on every rank (it
+    is a collective); what it returns is the same on every rank::
+
+        preds, labels = [], []
+        for x, y in loader:
+            logits = model(x.to(ctx.device))
+            p, t = ddpkit.gather_for_metrics((logits.argmax(1), y.to(ctx.device)), loader)
+            preds.append(p)
+            labels.append(t)
+        accuracy = (torch.cat(preds) == torch.cat(labels)).float().mean().item()
+
+    Pass the `loader` to count each sample exactly once. torch's `DistributedSampler`
+    pads the dataset to a multiple of the world size by repeating samples; given the
+    loader, those repeats are dropped and the samples come back in the sampler's order
+    (the dataset's order without shuffling). For that, ddpkit follows the loader's pass
+    call by call: gather every batch of the pass, each in one call. A new pass starts
+    after the pass's last sample, or when `set_epoch` changes the sampler's epoch.
+    ddpkit's evaluation loader (`prepare_loader(..., evaluation=True)`) pads nothing,
+    so its batches are simply concatenated, as are those of any other sampler and
+    those gathered without `loader`.
+    """
+    tensors: list[torch.Tensor] = [values] if isinstance(values, torch.Tensor) else list(values)
+    if not tensors:
+        raise ConfigError("gather_for_metrics got no tensor: pass a tensor or a tuple of them")
+    tensors = [t.unsqueeze(0) if t.dim() == 0 else t for t in tensors]
+    if len({t.shape[0] for t in tensors}) > 1:
+        raise ConfigError(
+            "gather_for_metrics got tensors with different numbers of samples "
+            f"({[t.shape[0] for t in tensors]} along dimension 0): pass one batch's values"
+        )
+    gathered = _gather_batch(tensors, loader)
+    if isinstance(values, torch.Tensor):
+        return gathered[0]
+    return tuple(gathered) if isinstance(values, tuple) else gathered
+
+
+def _gather_batch(tensors: list[torch.Tensor], loader: Any) -> list[torch.Tensor]:
+    world = _group_size()
+    if world == 1:
+        return tensors
+    sampler = _sampler_of(loader) if loader is not None else None
+    _check_batch_counts(sampler, loader, world)
+    device = tensors[0].device
+    sizes = _gather_same_shape(torch.tensor(tensors[0].shape[0], device=device)).tolist()
+    longest = max(sizes)
+    stacks = []  # each (world, longest, *rest)
+    for t in tensors:
+        if t.shape[0] < longest:
+            t = torch.cat([t, t.new_zeros((longest - t.shape[0], *t.shape[1:]))])
+        stacks.append(_gather_same_shape(t))
+    if not isinstance(sampler, DistributedSampler):
+        return [torch.cat([s[r, : sizes[r]] for r in range(world)]) for s in stacks]
+    if sampler.num_replicas != world:
+        raise ConfigError(
+            f"the loader's DistributedSampler is for {sampler.num_replicas} ranks but the job "
+            f"has {world}: build it with num_replicas={world} (or use ddpkit.prepare_loader)"
+        )
+    state = _passes.setdefault(loader, _Pass())
+    epoch = getattr(sampler, "epoch", None)
+    if state.epoch != epoch:  # set_epoch was called: a new pass, even if the last one broke off
+        state.done, state.epoch = 0, epoch
+    # Rank r's j-th sample of the pass sits at position r + world * j of the sampler's
+    # padded order; positions past the end of the dataset are the padding's repeats.
+    j = torch.arange(longest, device=device).unsqueeze(1)  # (longest, 1)
+    r = torch.arange(world, device=device).unsqueeze(0)  # (1, world)
+    position = r + world * (j + state.done)  # (longest, world): sample-major, rank-minor
+    present = j < torch.tensor(sizes, device=device)
+    keep = present & (position < len(sampler.dataset))  # type: ignore[arg-type]
+    state.done += longest
+    if state.done >= _samples_per_pass(sampler, loader):
+        state.done = 0
+    # Row-major over (j, r) is the sampler's order.
+    return [s.transpose(0, 1)[keep] for s in stacks]
+
+
+def _samples_per_pass(sampler: DistributedSampler[Any], loader: Any) -> int:
+    per_rank = len(sampler)
+    batch = getattr(loader, "batch_size", None)
+    if getattr(loader, "drop_last", False) and batch:
+        per_rank -= per_rank % batch  # the loader drops each rank's short last batch
+    return per_rank
+
+
+def _check_batch_counts(sampler: Any, loader: Any, world: int) -> None:
+    """ddpkit's evaluation loader gives ranks shards that differ by one sample, which
+    can mean a different number of batches: a per-batch collective would then wait
+    forever on the rank with more. Every rank works this out alike, so all refuse."""
+    from ddpkit.data import ShardSampler
+
+    if not isinstance(sampler, ShardSampler) or not getattr(loader, "batch_size", None):
+        return
+    batch = int(loader.batch_size)
+    drop = bool(getattr(loader, "drop_last", False))
+
+    def batches(rank: int) -> int:
+        n = len(range(rank, sampler.length, world))
+        return n // batch if drop else -(-n // batch)
+
+    counts = [batches(r) for r in range(world)]
+    if len(set(counts)) > 1:
+        raise ConfigError(
+            f"ddpkit's evaluation loader gives rank 0 {counts[0]} batch(es) but rank "
+            f"{world - 1} only {counts[-1]} ({sampler.length} samples in batches of {batch} "
+            f"on {world} ranks), so gathering every batch would leave the ranks waiting "
+            "for each other forever: collect this rank's values over the loop and call "
+            "gather_for_metrics(torch.cat(values)) once after it, without the loader"
+        )
