@@ -58,7 +58,7 @@ class TrainConfig:
     batch_size: int = _opt(32, "samples per rank per micro-batch", ge=1)
     """Samples each process takes per forward pass. An optimizer step sees
     `batch_size * accumulate * world_size` samples."""
-    seed: int = _opt(0, "seed of every RNG and of the data order")
+    seed: int = _opt(0, "seed of every RNG and of the data order (0 to 2**63 - 1)", ge=0)
     """Seeds Python, NumPy and torch on every rank, and the order of the data."""
     save_every: int = _opt(1, "checkpoint every N epochs (0: only after the last)", ge=0)
     """Epochs between checkpoints; one is also written after the last epoch."""
@@ -166,6 +166,10 @@ def check_option(name: str, value: Any) -> Any:
     if not _has_type(value, kind):
         must = _TYPE_WORDS[kind] + (" or None" if optional else "")
         raise _error(name, must, value, with_kind=True)
+    if kind is str and not value:  # "" is no folder and no metric: it would be ignored
+        raise _error(name, "a non-empty string" + (" or None" if optional else ""), value)
+    if kind is int and value >= _INT_LIMIT:
+        raise _error(name, "< 2**63", value)
     if meta["ge"] is not None and not value >= meta["ge"]:
         raise _error(name, f">= {meta['ge']}", value)
     if meta["gt"] is not None and not value > meta["gt"]:
@@ -197,6 +201,9 @@ def validate_options(values: Mapping[str, Any], source: str) -> dict[str, Any]:
             raise ConfigError(f"{source}: {exc}") from None
     return checked
 
+
+# Every int option must fit torch's (and C's) 64-bit integers: seeds, sizes, counts.
+_INT_LIMIT = 2**63
 
 _TYPE_WORDS: dict[Any, str] = {
     int: "an integer",

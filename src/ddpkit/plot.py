@@ -6,9 +6,11 @@ A run folder holds `metrics.jsonl`, one JSON object per line. The lines ddpkit p
     {"kind": "epoch", "step": 230, "epoch": 1, "time": 12.9, "loss": 0.12, "eval_loss": 0.09,
      "accuracy": 0.981}
 
-Any field may be missing or null; unknown kinds are ignored, and malformed lines are skipped
-with a warning. Every numeric field of an epoch line that is not one of the bookkeeping or
-training fields below (`_NOT_EVAL_METRICS`) is an eval metric and gets a panel in `eval.png`.
+Any field may be missing or null; unknown kinds are ignored, and malformed lines and values
+of plotted fields that are not numbers (text, true/false) are skipped with a warning. NaN,
+infinities and numbers beyond ±1e200 are gaps in the lines. Every numeric field of an epoch
+line that is not one of the bookkeeping or training fields below (`_NOT_EVAL_METRICS`) is an
+eval metric and gets a panel in `eval.png`.
 
 matplotlib is an optional extra (`pip install 'ddpkit[plot]'`), imported only by `plot_runs`.
 It draws on its own Agg canvas, never through pyplot, so the caller's backend is untouched.
@@ -16,9 +18,9 @@ It draws on its own Agg canvas, never through pyplot, so the caller's backend is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,6 +59,10 @@ _NOT_EVAL_METRICS = frozenset(
         "nproc",
     }
 )
+# The fields drawn besides the eval metrics (every other field of an epoch line).
+_PLOTTED = frozenset({"step", "epoch", "time", "loss", "eval_loss", "samples_per_s"})
+# Larger numbers are not drawn: matplotlib's axis arithmetic overflows near 1e308.
+_LARGEST = 1e200
 _MISSING_MATPLOTLIB = "ddpkit plot needs matplotlib: pip install 'ddpkit[plot]'"
 _DPI = 110
 # Loss on a log axis when it is positive and spans at least this ratio (max / min).
@@ -107,12 +113,15 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not folder.is_dir():
         raise ConfigError(f"{folder} is not a folder: {hint}")
     path = folder / METRICS_FILE
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"{path} is not a regular file: {hint}")
     if not path.is_file():
         raise ConfigError(
             f"run folder {folder} has no {METRICS_FILE}: {hint}, one JSON object per line"
         )
     records: list[dict[str, Any]] = []
     bad: list[int] = []
+    not_numbers: list[str] = []
     seen_any = False
     try:
         with path.open(encoding="utf-8", errors="replace") as f:
@@ -130,6 +139,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     bad.append(lineno)
                 elif obj.get("kind") in _KINDS:
                     records.append(obj)
+                    not_numbers += [f"line {lineno} {k!r}: {v}" for k, v in _not_numbers(obj)]
     except OSError as exc:
         raise ConfigError(f"cannot read {path} ({exc.strerror}): check its permissions") from None
     if bad:
@@ -141,6 +151,16 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
             path,
             shown,
             more,
+        )
+    if not_numbers:
+        hidden = len(not_numbers) - _SHOWN_BAD_LINES
+        log.warning(
+            "skipped %d value(s) of %s that are not numbers (%s%s): a metric must be a "
+            "number or null",
+            len(not_numbers),
+            path,
+            ", ".join(not_numbers[:_SHOWN_BAD_LINES]),
+            f" and {hidden} more" if hidden > 0 else "",
         )
     if not records:
         what = "is empty" if not seen_any else "holds no 'step' or 'epoch' line"
@@ -194,29 +214,34 @@ def plot_runs(
     }
     if all(fig is None for fig in charts.values()):
         raise ConfigError(
-            f"nothing to plot: no loss, samples_per_s or eval metric in the {METRICS_FILE} of "
+            "nothing to plot: no loss, samples_per_s or eval metric that can be drawn (a number "
+            "within ±1e200) in the {METRICS_FILE} of "
             f"{', '.join(str(d) for d in run_dirs)}"
         )
+    new_folders = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    written: list[Path] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot create output folder {out} ({exc.strerror}): pass another --out folder"
-        ) from None
-    written: list[Path] = []
-    for name, fig in charts.items():
-        if fig is None:
-            continue
-        FigureCanvasAgg(fig)  # draw on Agg: no pyplot, no GUI, no global backend switch
-        path = out / name
-        try:
+        for name, fig in charts.items():
+            if fig is None:
+                continue
+            FigureCanvasAgg(fig)  # draw on Agg: no pyplot, no GUI, no global backend switch
+            path = out / name
+            if not path.exists():
+                written.append(path)  # removed again if a later chart fails
             fig.savefig(path, dpi=_DPI)
-        except OSError as exc:
+    except BaseException as exc:
+        for path in written:
+            path.unlink(missing_ok=True)
+        for folder in new_folders:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(exc, OSError):
             raise ConfigError(
-                f"cannot write {path} ({exc.strerror}): pass another --out folder"
+                f"cannot write the charts to {out} ({exc.strerror}): pass another --out folder"
             ) from None
-        written.append(path)
-    return written
+        raise
+    return [out / name for name, fig in charts.items() if fig is not None]
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -254,11 +279,28 @@ def _continuous_time(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _number(value: object) -> float | None:
-    """A finite float, or None for anything else (missing, null, text, bool, NaN, inf)."""
+    """A float that can be drawn, or None for anything else (missing, null, text, bool,
+    NaN, inf, or beyond ±_LARGEST)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    number = float(value)
-    return number if math.isfinite(number) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return number if abs(number) <= _LARGEST else None  # False for NaN too
+
+
+def _not_numbers(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """The plotted fields of `record` whose value is neither a number nor null, with the
+    value as JSON (shortened)."""
+    eval_line = record.get("kind") == "epoch"
+    return [
+        (key, json.dumps(value)[:20])
+        for key, value in record.items()
+        if (key in _PLOTTED or (eval_line and key not in _NOT_EVAL_METRICS))
+        and value is not None
+        and (isinstance(value, bool) or not isinstance(value, (int, float)))
+    ]
 
 
 def _series(records: Iterable[dict[str, Any]], kinds: Sequence[str], x: str, y: str) -> Series:

@@ -6,9 +6,11 @@ import ast
 import gc
 import os
 import re
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 
 from ddpkit.check.analysis import FileAnalysis
@@ -20,6 +22,16 @@ from ddpkit.check.rules import RULES, Rule
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
 # Folders that hold no user code worth checking (virtual envs, caches, VCS data).
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "venv", "build", "dist"})
+# Larger files are not read: no training script is this big, and /dev/zero never ends.
+MAX_FILE_BYTES = 5 * 2**20
+# What a path that is not a regular file is, in words.
+_KINDS = {
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 class SelectionError(ValueError):
@@ -115,6 +127,13 @@ def _parse(source: str | bytes, path: str) -> ast.Module | Finding:
         col = getattr(exc, "offset", None) or 1
         reason = getattr(exc, "msg", None) or str(exc)
         return _unreadable(path, line, col, f"syntax error, file not checked: {reason}")
+    except (RecursionError, MemoryError) as exc:  # e.g. 100,000 chained `+`
+        return _too_deep(path, exc)
+
+
+def _too_deep(path: str, exc: BaseException) -> Finding:
+    what = "out of memory" if isinstance(exc, MemoryError) else "nested too deeply"
+    return _unreadable(path, 1, 1, f"{what} to check, file not checked ({type(exc).__name__})")
 
 
 def _check(source: str | bytes, path: str, rules: Sequence[Rule]) -> list[Finding]:
@@ -122,14 +141,30 @@ def _check(source: str | bytes, path: str, rules: Sequence[Rule]) -> list[Findin
         tree = _parse(source, path)
         if isinstance(tree, Finding):
             return [tree]
-        return check_tree(tree, source, path, rules)
+        try:
+            return check_tree(tree, source, path, rules)
+        except (RecursionError, MemoryError) as exc:
+            return [_too_deep(path, exc)]
 
 
 def _read_bytes(path: str) -> bytes | Finding:
+    """The file's bytes; a regular file of at most MAX_FILE_BYTES only (a FIFO is opened
+    without blocking, and not read)."""
     try:
-        return Path(path).read_bytes()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
+                return _unreadable(path, 1, 1, f"not a regular file ({kind}), file not checked")
+            data = f.read(MAX_FILE_BYTES + 1) if info.st_size <= MAX_FILE_BYTES else b""
     except OSError as exc:
         return _unreadable(path, 1, 1, f"cannot read file: {exc.strerror or exc}")
+    size = max(info.st_size, len(data))
+    if size > MAX_FILE_BYTES:
+        mb = f"{size / 2**20:.1f} MB, over the limit of {MAX_FILE_BYTES // 2**20} MB"
+        return _unreadable(path, 1, 1, f"too large, file not checked ({mb})")
+    return data
 
 
 def _read(path: str, rules: Sequence[Rule]) -> list[Finding]:
@@ -156,15 +191,33 @@ def _check_program(
             assert isinstance(data, bytes)
             parsed.append((path, tree))
             sources.append(data)
-        analyses = analyse_program(parsed, roots)
+        try:
+            analyses = analyse_program(parsed, roots)
+        except (RecursionError, MemoryError) as exc:  # a file nested too deeply: the rest
+            ok = [_analysable(item, roots) for item in parsed]
+            findings += [_too_deep(str(p), exc) for p, _ in compress(parsed, [not k for k in ok])]
+            parsed, sources = list(compress(parsed, ok)), list(compress(sources, ok))
+            analyses = analyse_program(parsed, roots)
         for (path, _), source, analysis in zip(parsed, sources, analyses, strict=True):
-            findings.extend(_run_rules(analysis, source, str(path), rules))
+            try:
+                findings.extend(_run_rules(analysis, source, str(path), rules))
+            except (RecursionError, MemoryError) as exc:
+                findings.append(_too_deep(str(path), exc))
         # Free the trees by reference counting before the collector is back on:
         # otherwise its first run walks every node of every file.
         for analysis in analyses:
             analysis.release()
         del analyses, parsed
     return findings
+
+
+def _analysable(item: tuple[Path, ast.Module], roots: Sequence[Path]) -> bool:
+    """Whether the file can be analysed alone (without RecursionError)."""
+    try:
+        analyse_program([item], roots)
+    except (RecursionError, MemoryError):
+        return False
+    return True
 
 
 def check_source(

@@ -8,6 +8,9 @@ inside `run`, so `ddpkit --help` and `ddpkit check` start fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -38,7 +41,29 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+# Errors of a write to stdout (a full disk, a closed pipe), whatever the buffer still holds.
+_OUTPUT_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in ("ENOSPC", "EPIPE", "EDQUOT", "EFBIG", "EIO")
+    if hasattr(errno, name)
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:  # also after --help or --version (argparse's SystemExit)
+            sys.stdout.flush()  # here, where a failure can still be reported in one line
+    except OSError as exc:
+        if not _output_failed(exc):
+            raise
+        print(f"ddpkit: error: cannot write output: {exc.strerror or exc}", file=sys.stderr)
+        _discard_stdout()
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):
@@ -46,6 +71,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # SIGTERM becomes an exception so that `finally` blocks stop and reap the workers.
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    return _run(args)
+
+
+def _output_failed(exc: OSError) -> bool:
+    """Whether `exc` came from writing stdout (the write that failed may have been
+    unbuffered, so a second flush that succeeds does not prove stdout works)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    return exc.filename is None and exc.errno in _OUTPUT_ERRNOS
+
+
+def _discard_stdout() -> None:
+    """Send stdout to /dev/null, so that Python's own flush at exit cannot fail again
+    (a second error message, with a traceback)."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: no real file descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except HangError as exc:

@@ -2,16 +2,25 @@
 
 Every TrainConfig field is a flag (`--batch-size`, `--precision`, ...); a TOML file
 given with `--config` sets any of them, and flags given on the command line win.
+`--allow-oversubscribe` (also `ddpkit run`'s) lets more processes start than the CPU
+cores can carry.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from typing import Any
 
 from ddpkit.config import TrainConfig, field_type, parse_option
+from ddpkit.errors import ConfigError
+
+# More CPU processes than cores runs slower (a warning); more than this many times the
+# cores is refused without --allow-oversubscribe: a typo (--nproc 100000) that would
+# fork until the machine stalls.
+OVERSUBSCRIBE_LIMIT = 4
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
@@ -76,3 +85,33 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
         defaults = dict(example_module(job_name).DEFAULTS)
     from_file = load_config_file(args.config) if args.config else {}
     return job_name, TrainConfig(**merge_config(defaults, from_file, flags))
+
+
+def add_oversubscribe_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--allow-oversubscribe",
+        action="store_true",
+        help=f"start more than {OVERSUBSCRIBE_LIMIT}x as many CPU ranks (or data workers per "
+        "rank) as there are CPU cores, and do not warn above the cores",
+    )
+
+
+def check_processes(flag: str, count: int, *, allow: bool) -> None:
+    """Warn when `flag`'s `count` processes exceed the CPU cores; refuse (ConfigError)
+    more than OVERSUBSCRIBE_LIMIT times the cores, unless `allow`."""
+    from ddpkit.launcher import cpu_count  # torch: the commands that call this load it anyway
+
+    cores = cpu_count()
+    if allow or count <= cores:
+        return
+    if count > OVERSUBSCRIBE_LIMIT * cores:
+        raise ConfigError(
+            f"{flag} {count} is more than {OVERSUBSCRIBE_LIMIT} x the {cores} CPU core(s): "
+            f"pass {flag} {cores} or fewer, or --allow-oversubscribe to start them anyway"
+        )
+    print(
+        f"ddpkit: warning: {flag} {count} is more than the {cores} CPU core(s): "
+        "the processes share them and run slower",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -7,9 +7,12 @@ The flags are checked here; `ddpkit.agent` does the work.
 from __future__ import annotations
 
 import argparse
+import math
+import stat
 from pathlib import Path
 from typing import Any
 
+from ddpkit.cli.flags import add_oversubscribe_flag, check_processes
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.errors import ConfigError
 
@@ -51,6 +54,7 @@ def add_parser(sub: Any) -> None:
         default=300.0,
         help="seconds to wait for the other nodes (default 300)",
     )
+    add_oversubscribe_flag(p)
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -80,7 +84,10 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     """The worker command (after the shim) and the processes per node, or ConfigError."""
     from ddpkit.launcher import resolve_backend, resolve_nprocs
 
-    nproc = resolve_nprocs(args.nproc, resolve_backend("auto"))
+    backend = resolve_backend("auto")
+    nproc = resolve_nprocs(args.nproc, backend)
+    if backend == "gloo":
+        check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes must be >= 1 (got {args.nnodes})")
     if not 0 <= args.node_rank < args.nnodes:
@@ -92,8 +99,21 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
         raise ConfigError("--nnodes > 1 needs --master-addr: the address of node 0")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    if args.hang_timeout < 0:
-        raise ConfigError(f"--hang-timeout must be >= 0 seconds (got {args.hang_timeout})")
+    if not 1 <= args.master_port <= _MAX_PORT:
+        raise ConfigError(
+            f"--master-port must be a port number from 1 to {_MAX_PORT} "
+            f"(got {args.master_port}): pass --master-port 29500"
+        )
+    if not (math.isfinite(args.hang_timeout) and args.hang_timeout >= 0):
+        raise ConfigError(
+            f"--hang-timeout must be a finite number of seconds >= 0 (got {args.hang_timeout}): "
+            "pass --hang-timeout 300, or 0 to turn it off"
+        )
+    if not (math.isfinite(args.rdzv_timeout) and args.rdzv_timeout >= 1):
+        raise ConfigError(
+            f"--rdzv-timeout must be a finite number of seconds >= 1 (got {args.rdzv_timeout}): "
+            "pass --rdzv-timeout 300"
+        )
     if args.module:
         import importlib.util
 
@@ -108,6 +128,24 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
         return ["-m", args.module, *extra], nproc
     if not args.script:
         raise ConfigError("nothing to run: pass a script (ddpkit run train.py) or -m MODULE")
-    if not Path(args.script).is_file():
+    script = Path(args.script)
+    if not script.exists():
         raise ConfigError(f"script {args.script!r} does not exist")
+    if not script.is_file():
+        kind = _KINDS.get(stat.S_IFMT(script.stat().st_mode), "a special file")
+        raise ConfigError(
+            f"script {args.script!r} is {kind}, not a Python file: "
+            "pass the path of a training script, or -m MODULE"
+        )
     return [args.script, *args.args], nproc
+
+
+_MAX_PORT = 65535
+# What a path that is not a regular file is, in words.
+_KINDS = {
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}

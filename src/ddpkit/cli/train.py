@@ -11,10 +11,18 @@ import json
 import logging
 import math
 import os
+from pathlib import Path
 from typing import Any
 
-from ddpkit.cli.flags import add_config_flags, add_job_flags, job_and_config
+from ddpkit.cli.flags import (
+    add_config_flags,
+    add_job_flags,
+    add_oversubscribe_flag,
+    check_processes,
+    job_and_config,
+)
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
+from ddpkit.errors import ConfigError
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
@@ -43,6 +51,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--json", action="store_true", help="print the result as one JSON object on the last line"
     )
+    add_oversubscribe_flag(p)
     add_config_flags(p)
     p.set_defaults(func=run)
 
@@ -58,6 +67,11 @@ def run(args: argparse.Namespace) -> int:
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)
     # Check what can be checked before any process starts, so bad input costs nothing.
+    if backend == "gloo" and not under_torchrun():
+        check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
+    check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
+    if config.run_dir is not None:
+        check_folder("run_dir", config.run_dir)
     if config.checkpoint_dir is not None:
         check_writable(config.checkpoint_dir)
         if config.resume:
@@ -87,6 +101,27 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     return 0
+
+
+def check_folder(name: str, path: str) -> None:
+    """ConfigError unless option `name`'s `path` is a folder, or can be made one, where
+    this user may write. Creates nothing."""
+    folder = Path(path)
+    existing = folder  # the folder, or the nearest parent that exists
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    flag = "--" + name.replace("_", "-")
+    if not existing.is_dir():
+        where = "is" if existing == folder else f"cannot be made: {str(existing)!r} is"
+        raise ConfigError(
+            f"{name} {path!r} {where} a file, not a folder: pass {flag} with a new or "
+            "existing folder"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{name} {path!r} cannot be written: no write permission in {str(existing)!r}: "
+            f"pass {flag} with a folder you can write to"
+        )
 
 
 def train_worker(ctx: Any, job_name: str, config: Any) -> dict[str, Any]:

@@ -8,7 +8,12 @@ import json
 import sys
 from typing import Any
 
-from ddpkit.cli.flags import add_config_flags, add_job_flags
+from ddpkit.cli.flags import (
+    add_config_flags,
+    add_job_flags,
+    add_oversubscribe_flag,
+    check_processes,
+)
 
 # Options that verify sets itself (it runs --steps steps, writes no files, logs nothing).
 _NOT_FOR_VERIFY = (
@@ -59,6 +64,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--json", action="store_true", help="print the report as one JSON object on the last line"
     )
+    add_oversubscribe_flag(p)
     add_config_flags(p, skip=_NOT_FOR_VERIFY)
     p.set_defaults(func=run)
 
@@ -68,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.verification import verify
 
     job, config = job_and_config(args)
+    check_processes("--nproc", args.nproc, allow=args.allow_oversubscribe)  # CPU ranks only
+    check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
     report = verify(
         job,
         config,

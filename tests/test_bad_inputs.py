@@ -1,0 +1,306 @@
+"""Every bad input to the `ddpkit` command: exit status 2 and one line that names the
+problem and the fix (or a documented warning), with no traceback, no hang and nothing
+left behind. One row per input; each fails before any worker starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _metrics(folder: str, *records: dict[str, object]) -> Callable[[Path], None]:
+    def make(work: Path) -> None:
+        _write(work / folder / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+
+    return make
+
+
+def _chain(terms: int) -> str:
+    return "x = 1" + " + 1" * terms + "\n"
+
+
+# Files a row's command reads, made in the child's working folder (names are relative).
+MAKERS: dict[str, Callable[[Path], None]] = {
+    "afile": lambda w: _write(w / "afile", ""),
+    "adir": lambda w: (w / "adir").mkdir(),
+    "fifo.py": lambda w: os.mkfifo(w / "fifo.py"),
+    "s.py": lambda w: _write(w / "s.py", "print('ran')\n"),
+    # one finding (DDP110), to show that the other files are still checked
+    "ok.py": lambda w: _write(w / "ok.py", 'import os\nos.environ["MASTER_PORT"] = "12355"\n'),
+    "chain.py": lambda w: _write(w / "chain.py", _chain(100_000)),  # too deep for ast.parse
+    "deep.py": lambda w: _write(w / "deep.py", _chain(600)),  # parses; too deep to analyse
+    "big.py": lambda w: _write(w / "big.py", "#" * (6 * 2**20)),
+    "huge": _metrics(
+        "huge",
+        {"kind": "step", "step": 1, "loss": 1e308, "samples_per_s": 1e308, "time": 1},
+        {"kind": "step", "step": 2, "loss": -1e308, "samples_per_s": 1e308, "time": 2},
+        {"kind": "epoch", "step": 2, "epoch": 1, "loss": 1e308, "accuracy": 1e308},
+    ),
+    "mixed": _metrics(
+        "mixed",
+        {"kind": "step", "step": 1, "loss": 0.9, "time": 1.0},
+        {"kind": "step", "step": 2, "loss": 1e308, "time": 2.0},
+        {"kind": "step", "step": 3, "loss": -1e308, "time": 3.0},
+        {"kind": "step", "step": 4, "loss": 0.5, "time": 4.0},
+    ),
+    "words": _metrics(
+        "words",
+        {"kind": "step", "step": 1, "loss": 0.9},
+        {"kind": "epoch", "step": 1, "epoch": 1, "accuracy": "high", "loss": True},
+    ),
+    "empty": lambda w: _write(w / "empty" / "metrics.jsonl", ""),
+    "dirrun": lambda w: (w / "dirrun" / "metrics.jsonl").mkdir(parents=True),
+}
+NODE_1 = ("--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    argv: tuple[str, ...]
+    message: str  # a fragment of the one line on stderr (stdout for `check`)
+    code: int = 2
+    needs: tuple[str, ...] = ()  # MAKERS to run first
+    warning: str | None = None  # a fragment of the one documented warning line
+    stream: str = "stderr"  # where the one line is
+    also: str | None = None  # a fragment stdout must also hold
+    creates: tuple[str, ...] = ()  # what a row that succeeds may write
+    stdout_full: bool = False  # stdout is /dev/full
+
+
+ROWS = [
+    # -- ddpkit train: options checked before any worker starts ------------------------
+    Row("run-dir-is-file", ("train", "--run-dir", "afile"), "'afile' is a file", needs=("afile",)),
+    Row(
+        "run-dir-under-file",
+        ("train", "--run-dir", "afile/sub"),
+        "cannot be made: 'afile' is a file",
+        needs=("afile",),
+    ),
+    Row(
+        "checkpoint-dir-is-file",
+        ("train", "--checkpoint-dir", "afile"),
+        "cannot write checkpoints",
+        needs=("afile",),
+    ),
+    Row(
+        "checkpoint-dir-under-file",
+        ("train", "--checkpoint-dir", "afile/ck"),
+        "cannot write checkpoints",
+        needs=("afile",),
+    ),
+    Row("checkpoint-dir-empty", ("train", "--checkpoint-dir", ""), "leave it out"),
+    Row("run-dir-empty", ("train", "--run-dir", ""), "run_dir must be a non-empty string"),
+    Row("seed-too-large", ("train", "--seed", "9" * 23), "seed must be < 2**63"),
+    Row("seed-negative", ("train", "--seed", "-1"), "seed must be >= 0"),
+    Row("batch-size-too-large", ("train", "--batch-size", "9" * 20), "batch_size must be < 2**63"),
+    Row("nproc-negative", ("train", "--nproc", "-1"), "pass --nproc 2"),
+    Row(
+        "nproc-over-4x-cores",
+        ("train", "--backend", "gloo", "--nproc", str(4 * CORES + 1)),
+        "--allow-oversubscribe",
+    ),
+    Row(
+        "nproc-100000",
+        ("train", "--backend", "gloo", "--nproc", "100000"),
+        f"more than 4 x the {CORES} CPU core(s)",
+    ),
+    Row(
+        "nproc-over-cores-warns",
+        ("train", "--backend", "gloo", "--nproc", str(CORES + 1), "--run-dir", "afile"),
+        "'afile' is a file",
+        needs=("afile",),
+        warning=f"is more than the {CORES} CPU core(s)",
+    ),
+    Row("num-workers-100000", ("train", "--num-workers", "100000"), "pass --num-workers"),
+    Row(
+        "num-workers-over-cores-warns",
+        ("train", "--num-workers", str(CORES + 1), "--run-dir", "afile"),
+        "'afile' is a file",
+        needs=("afile",),
+        warning="--num-workers",
+    ),
+    # -- ddpkit run ----------------------------------------------------------------------
+    Row(
+        "master-port-99999",
+        ("run", *NODE_1, "--master-port", "99999", "s.py"),
+        "--master-port must be a port number from 1 to 65535",
+        needs=("s.py",),
+    ),
+    Row(
+        "master-port-negative",
+        ("run", *NODE_1, "--master-port", "-1", "s.py"),
+        "--master-port must be",
+        needs=("s.py",),
+    ),
+    Row("master-port-0", ("run", "--master-port", "0", "s.py"), "(got 0)", needs=("s.py",)),
+    Row("master-port-65536", ("run", "--master-port", "65536", "s.py"), "65536", needs=("s.py",)),
+    Row(
+        "rdzv-timeout-negative",
+        ("run", "--rdzv-timeout", "-5", "s.py"),
+        "--rdzv-timeout must be a finite number of seconds >= 1",
+        needs=("s.py",),
+    ),
+    Row(
+        "rdzv-timeout-nan",
+        ("run", *NODE_1, "--rdzv-timeout", "nan", "s.py"),
+        "(got nan)",
+        needs=("s.py",),
+    ),
+    Row("rdzv-timeout-inf", ("run", "--rdzv-timeout", "inf", "s.py"), "(got inf)", needs=("s.py",)),
+    Row(
+        "hang-timeout-nan",
+        ("run", "--hang-timeout", "nan", "s.py"),
+        "--hang-timeout must be a finite number",
+        needs=("s.py",),
+    ),
+    Row("script-is-folder", ("run", "adir"), "'adir' is a folder", needs=("adir",)),
+    Row("script-is-fifo", ("run", "fifo.py"), "is a FIFO", needs=("fifo.py",)),
+    Row("run-nproc-100000", ("run", "--nproc", "100000", "s.py"), "more than 4 x", needs=("s.py",)),
+    # -- ddpkit check: one DDP000 finding per file it cannot check; the others are checked
+    Row(
+        "check-fifo",
+        ("check", "fifo.py"),
+        "not a regular file (a FIFO)",
+        needs=("fifo.py",),
+        stream="stdout",
+    ),
+    Row("check-dev-zero", ("check", "/dev/zero"), "not a regular file (a device)", stream="stdout"),
+    Row(
+        "check-too-large",
+        ("check", "big.py", "ok.py"),
+        "big.py:1:1: DDP000 too large",
+        needs=("big.py", "ok.py"),
+        stream="stdout",
+        also="DDP110",
+    ),
+    Row(
+        "check-100000-additions",
+        ("check", "chain.py", "ok.py"),
+        "chain.py:1:1: DDP000 nested too deeply",
+        needs=("chain.py", "ok.py"),
+        stream="stdout",
+        also="DDP110",
+    ),
+    Row(
+        "check-600-additions",
+        ("check", "deep.py", "ok.py"),
+        "deep.py:1:1: DDP000 nested too deeply",
+        needs=("deep.py", "ok.py"),
+        stream="stdout",
+        also="DDP110",
+    ),
+    # -- ddpkit plot -----------------------------------------------------------------------
+    Row(
+        "plot-only-huge-values",
+        ("plot", "huge", "--out", "out"),
+        "nothing to plot",
+        needs=("huge",),
+    ),
+    Row(
+        "plot-huge-beside-normal",
+        ("plot", "mixed", "--out", "out"),
+        "",
+        code=0,
+        needs=("mixed",),
+        creates=("out",),
+    ),
+    Row(
+        "plot-text-and-bool-values",
+        ("plot", "words", "--out", "out"),
+        "",
+        code=0,
+        needs=("words",),
+        warning="""(line 2 'accuracy': "high", line 2 'loss': true)""",
+        creates=("out",),
+    ),
+    Row("plot-empty-file", ("plot", "empty"), "metrics.jsonl is empty", needs=("empty",)),
+    Row(
+        "plot-metrics-is-folder",
+        ("plot", "dirrun"),
+        "metrics.jsonl is not a regular file",
+        needs=("dirrun",),
+    ),
+    # -- output that cannot be written -----------------------------------------------------
+    Row(
+        "info-to-dev-full",
+        ("info",),
+        "cannot write output: No space left on device",
+        stdout_full=True,
+    ),
+    Row(
+        "check-to-dev-full",
+        ("check", "ok.py"),
+        "cannot write output: No space left on device",
+        needs=("ok.py",),
+        stdout_full=True,
+    ),
+]
+
+
+def _listing(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path: Path, row: Row) -> None:
+    if row.argv[0] == "plot":
+        pytest.importorskip("matplotlib")
+    if row.stdout_full and not Path("/dev/full").exists():
+        pytest.skip("needs /dev/full")
+    work, tmp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir()
+    tmp.mkdir()
+    for name in row.needs:
+        MAKERS[name](work)
+    before = _listing(work)
+    # CPU only, so that --nproc is checked against the cores on every machine.
+    env = {**os.environ, "TMPDIR": str(tmp), "CUDA_VISIBLE_DEVICES": ""}
+    with open("/dev/full" if row.stdout_full else os.devnull, "w") as sink:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ddpkit", *row.argv],
+            stdout=sink if row.stdout_full else subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,  # a hang fails the row
+            cwd=work,
+            env=env,
+        )
+    stdout, stderr = proc.stdout or "", proc.stderr
+    assert proc.returncode == row.code, stderr
+    assert "Traceback" not in stderr + stdout, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    warnings = [line for line in lines if line.startswith("ddpkit: warning:")]
+    if row.warning is not None:
+        assert len(warnings) == 1 and row.warning in warnings[0], stderr
+    else:
+        assert not warnings, stderr
+    errors = [line for line in lines if line not in warnings]
+    if row.stream == "stdout":
+        assert not errors, stderr
+        assert len([line for line in stdout.splitlines() if row.message in line]) == 1, stdout
+    elif row.code == 0:
+        assert not errors, stderr
+    else:
+        assert len(errors) == 1, stderr
+        assert errors[0].startswith("ddpkit: error:") and row.message in errors[0], stderr
+    if row.also is not None:
+        assert row.also in stdout, stdout
+    created = _listing(work) - before
+    assert {p for p in created if p.split(os.sep)[0] not in row.creates} == set()
+    assert all(any(p.startswith(c) for p in created) for c in row.creates), created
+    assert _listing(tmp) == set()
