@@ -30,6 +30,8 @@ _EXPORTS = {
     "save_checkpoint": "ddpkit.checkpoint",
     "load_checkpoint": "ddpkit.checkpoint",
     "latest_checkpoint": "ddpkit.checkpoint",
+    "save_state": "ddpkit.state",
+    "load_state": "ddpkit.state",
     "model_digest": "ddpkit.digest",
     "seed_everything": "ddpkit.seed",
     "rank_seed": "ddpkit.seed",
@@ -83,6 +85,7 @@ __all__ = [
     "latest_checkpoint",
     "launch",
     "load_checkpoint",
+    "load_state",
     "model_digest",
     "no_backward_sync",
     "prepare_loader",
@@ -94,6 +97,7 @@ __all__ = [
     "reduce_sum",
     "reduce_sums",
     "save_checkpoint",
+    "save_state",
     "seed_everything",
     "unwrap",
     "verify",
@@ -122,6 +126,7 @@ if TYPE_CHECKING:
         print,
     )
     from ddpkit.seed import rank_seed, seed_everything
+    from ddpkit.state import load_state, save_state
     from ddpkit.sync import Accumulation, accumulate, no_backward_sync
     from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
     from ddpkit.trainer import FitResult, Trainer

@@ -1,0 +1,451 @@
+"""Exact resume for a hand-written loop: `save_state` and `load_state`.
+
+What `Trainer` does for its own loop, for yours: a checkpoint holds the bare model, the
+optimizer, scheduler and GradScaler, where the loop was (epoch, batch of the epoch,
+step), every rank's random streams and anything of yours (`extra`). After a crash,
+the same script run again continues at the batch after the save and ends with the
+same bits as a run that was never interrupted::
+
+    import ddpkit
+
+    def main(ctx, folder, epochs):
+        ddpkit.seed_everything(0)                      # the same model on every rank
+        model = Net()
+        opt = torch.optim.AdamW(model.parameters())
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
+        model = ddpkit.prepare_model(model, ctx)
+        loader = ddpkit.prepare_loader(train_set, ctx, batch_size=32)
+        ddpkit.seed_everything(ddpkit.rank_seed(0, ctx.rank))  # each rank its own stream
+
+        start = ddpkit.load_state(folder, ctx, model=model, optimizer=opt,
+                                  scheduler=sched, loader=loader)
+        if start is None:                              # nothing saved yet
+            start = {"epoch": 0, "batch": 0, "step": 0}
+        step = start["step"]
+        for epoch in range(start["epoch"], epochs):
+            loader.set_epoch(epoch)
+            first = start["batch"] if epoch == start["epoch"] else 0
+            for batch, (x, y) in enumerate(loader, start=first + 1):  # batches done
+                opt.zero_grad()
+                loss_fn(model(x.to(ctx.device)), y.to(ctx.device)).backward()
+                opt.step()
+                sched.step()
+                step += 1
+                if step % 500 == 0:
+                    ddpkit.save_state(folder, ctx, model=model, optimizer=opt,
+                                      scheduler=sched, loader=loader,
+                                      epoch=epoch, batch=batch, step=step)
+
+Files are `ckpt-<step>.pt`, as `save_checkpoint` writes them (rank 0 writes a temporary
+file, fsyncs and renames it), and `load_state` resumes from the newest one that loads
+(rank 0 chooses; every rank loads that very file). A file that loads is one that a
+weights-only `torch.load` accepts, mapped onto each rank's own device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, load_model_state, save_checkpoint
+from ddpkit.context import DistContext
+from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.model import unwrap
+from ddpkit.seed import set_rng_state
+
+log = logging.getLogger("ddpkit")
+
+# The bookkeeping keys of what load_state returns; `extra` may not use them.
+RESERVED = ("epoch", "batch", "step", "path")
+
+
+class Stateful(Protocol):
+    """Anything with `state_dict()` and `load_state_dict(state)`: an LR scheduler, a
+    GradScaler."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+def save_state(
+    directory: str | os.PathLike[str],
+    ctx: DistContext,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    loader: DataLoader[Any] | None = None,
+    epoch: int,
+    batch: int = 0,
+    step: int,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int | None = 3,
+) -> Path:
+    """Save where your loop is, so that `load_state` continues it exactly. Call it on
+    EVERY rank, at the same point of the loop (it is a collective); rank 0 writes.
+
+    Args:
+        directory: the checkpoint folder (created if missing).
+        ctx: this rank's `DistContext`.
+        model: the model, bare or as `prepare_model` wrapped it; the bare model's
+            state is saved, so it loads into either.
+        optimizer: its optimizer.
+        scheduler: its LR scheduler, if any.
+        scaler: the `torch.amp.GradScaler` of fp16 training, if any.
+        loader: the training loader (from `prepare_loader`), so that its shuffle of
+            this epoch is resumed too.
+        epoch: the epoch in progress, counted from 0. Saving after an epoch's last
+            batch and whatever your loop does at the end of the epoch, pass the next
+            one (`epoch + 1`, with `batch=0`).
+        batch: batches of `epoch` done (0: at its start). A resumed loop starts with
+            the batch after it.
+        step: your global step counter: the number in the file name, so the newest
+            state is the one with the highest step.
+        extra: your own values to get back from `load_state`: numbers, strings,
+            tensors, and lists and dicts of them (rank 0's is saved; names may not be
+            epoch, batch, step or path).
+        keep_last: keep only the newest this many files (None: keep all).
+
+    Returns:
+        The path of the file written (`directory/ckpt-<step>.pt`).
+
+    Raises:
+        ConfigError: a negative position, or an `extra` that a weights-only load
+            would refuse.
+        CheckpointError: the file could not be written (the newest earlier one is
+            left intact).
+    """
+    for name, value in (("epoch", epoch), ("batch", batch), ("step", step)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"save_state needs {name} as an int >= 0 (got {value!r})")
+    extra = dict(extra or {})
+    clash = [k for k in RESERVED if k in extra]
+    if clash:
+        raise ConfigError(
+            f"extra may not use the name {clash[0]!r}: load_state returns it as its own "
+            "bookkeeping; rename that entry"
+        )
+    for key, value in extra.items():
+        _check_loadable(value, f"extra[{key!r}]")
+    state: dict[str, Any] = {}
+    if ctx.is_main:  # only rank 0's state is written; the others need not build theirs
+        bare = unwrap(model)
+        state = {
+            "model": bare.state_dict(),
+            "model_class": f"{type(bare).__module__}.{type(bare).__qualname__}",
+            "optimizer": optimizer.state_dict(),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "scaler": None if scaler is None else scaler.state_dict(),
+            # The names Trainer uses, so either can resume from the other's files.
+            "epoch": epoch,
+            "batch": batch,
+            "global_step": step,
+            "loader": None if loader is None else _loader_position(loader, epoch),
+            "extra": extra,
+        }
+    # save_checkpoint gathers every rank's RNG streams into the file.
+    return save_checkpoint(state, directory, ctx, step=step, keep_last=keep_last)
+
+
+def load_state(
+    path: str | os.PathLike[str],
+    ctx: DistContext,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    loader: DataLoader[Any] | None = None,
+) -> dict[str, Any] | None:
+    """Continue from the newest state `save_state` wrote. Call it on EVERY rank (a
+    collective), after building the model, optimizer, scheduler and loader and
+    before the loop.
+
+    The model, optimizer, scheduler and scaler get their saved states. Each rank gets
+    its own random streams back, and the loader is set to the saved epoch and starts
+    after the batches already done: your loop's next `for ... in loader` yields the
+    batch after the save, without loading the ones before (an IterableDataset reads
+    past them), and only then are the random streams restored, so that its
+    augmentations and dropout draw what the uninterrupted run drew (a state saved
+    at an epoch's start restores them at once). Without a `loader`, the streams are
+    restored at once and your loop skips the `batch` batches itself.
+
+    Args:
+        path: the checkpoint folder (its newest file that loads is used: rank 0
+            chooses, skipping broken files, and every rank loads exactly that file),
+            or one file (an existing file, or a path ending in `.pt`).
+        ctx: this rank's `DistContext`.
+        model: the model, bare or wrapped.
+        optimizer, scheduler, scaler: as given to `save_state`.
+        loader: the training loader, as given to `save_state`.
+
+    Returns:
+        None when the folder holds no saved state (a first run); else your `extra`
+        with `epoch` (to run), `batch` (of it done), `step` and `path` (the file)
+        added, the same on every rank.
+
+    Raises:
+        CheckpointError: a named file that is missing or does not load; a folder whose
+            files all fail to load; a file of another model; or a rank that could not
+            load the file rank 0 chose.
+    """
+    where = Path(path)
+    named_file = where.suffix == ".pt" or where.is_file()
+    if ctx.distributed:  # rank 0 decides, so that no two ranks enter different collectives
+        decided = [named_file]
+        dist.broadcast_object_list(decided, src=0)
+        named_file = bool(decided[0])
+    if named_file:
+        state = _load_file(where, ctx)
+    else:
+        found = latest_checkpoint(where, ctx)
+        if found is None:
+            return None
+        where, state = found
+    if "optimizer" not in state or "global_step" not in state or "epoch" not in state:
+        raise CheckpointError(
+            f"{where} was not written by save_state (no optimizer state or position): "
+            "pass a file that save_state or Trainer wrote"
+        )
+    _restore_parts(where, state, model, optimizer, scheduler, scaler, ctx)
+    epoch, batch, step = int(state["epoch"]), int(state.get("batch", 0)), int(state["global_step"])
+    rngs = state.get("rng") or []
+    mine: dict[str, Any] | None = None
+    if len(rngs) == ctx.world_size:
+        mine = rngs[ctx.rank]
+    elif ctx.is_main:
+        log.warning(
+            "%s was written by %d rank(s), this job has %d: random streams are not "
+            "restored, so the run will not repeat the uninterrupted one exactly",
+            where,
+            len(rngs),
+            ctx.world_size,
+        )
+    if loader is not None and batch:
+        _resume_loader(loader, state.get("loader") or {}, epoch, batch, mine, ctx)
+    else:
+        if loader is not None:
+            _set_epoch(loader, int((state.get("loader") or {}).get("epoch", epoch)))
+        if mine is not None:
+            set_rng_state(mine)
+    if ctx.is_main:
+        after = f" after batch {batch}" if batch else ""
+        log.info("resumed from %s at epoch %d%s (step %d)", where, epoch + 1, after, step)
+    return {
+        **(state.get("extra") or {}),
+        "epoch": epoch,
+        "batch": batch,
+        "step": step,
+        "path": where,
+    }
+
+
+# -- loading ---------------------------------------------------------------------------
+def _load_file(path: Path, ctx: DistContext) -> dict[str, Any]:
+    """One named file, loaded on every rank; all ranks load the same bytes, or all raise."""
+    problem: str | None = None
+    digest = ""
+    state: dict[str, Any] = {}
+    try:
+        state = load_checkpoint(path, ctx)
+        digest = _sha256(path)
+    except CheckpointError as exc:
+        problem = str(exc)
+    except OSError as exc:  # vanished or unreadable between the load and the hash
+        problem = f"checkpoint {path} cannot be read ({exc.strerror or exc})"
+    outcomes: list[Any] = [(problem, digest)]
+    if ctx.distributed:
+        outcomes = [None] * ctx.world_size
+        dist.all_gather_object(outcomes, (problem, digest))
+    # Rank 0's own message when it failed: the same one line on every rank.
+    if outcomes[0][0] is not None:
+        raise CheckpointError(outcomes[0][0])
+    failed = [r for r, (p, _) in enumerate(outcomes) if p is not None]
+    if failed:
+        reasons = "; ".join(f"rank {r}: {outcomes[r][0]}" for r in failed)
+        raise CheckpointError(
+            f"rank(s) {', '.join(map(str, failed))} could not load {path} ({reasons}): every "
+            "rank must load the same file; put it where every node sees it"
+        )
+    differ = [r for r, (_, d) in enumerate(outcomes) if d != outcomes[0][1]]
+    if differ:
+        raise CheckpointError(
+            f"rank(s) {', '.join(map(str, differ))} read other bytes in {path} than rank 0: "
+            "every node must see the same file, and nothing may rewrite it during a resume"
+        )
+    return state
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _restore_parts(
+    path: Path,
+    state: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Stateful | None,
+    scaler: Stateful | None,
+    ctx: DistContext,
+) -> None:
+    """Load the states into their objects. Every rank loads the same file into the
+    same objects, so a mismatch raises on every rank alike."""
+    try:
+        load_model_state(model, state["model"])
+    except RuntimeError as exc:  # torch's message lists every key: keep its first line
+        written = state.get("model_class") or "another model"
+        first = str(exc).strip().splitlines()[0].rstrip(":")
+        raise CheckpointError(
+            f"{path} holds the state of {written}, which does not fit this job's model "
+            f"{type(unwrap(model)).__qualname__} ({first}): give each model its own folder"
+        ) from None
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"{path} holds an optimizer state that does not fit this optimizer ({exc}): "
+            "build the optimizer as the run that saved it did"
+        ) from None
+    for name, part in (("scheduler", scheduler), ("scaler", scaler)):
+        if part is None:
+            continue
+        if state.get(name) is None:
+            if ctx.is_main:
+                log.warning("%s holds no %s state: the %s starts afresh", path, name, name)
+            continue
+        part.load_state_dict(state[name])
+
+
+# -- the loader's position ---------------------------------------------------------------
+def _loader_position(loader: DataLoader[Any], epoch: int) -> dict[str, Any]:
+    """The epoch the loader's sampler is at (what shuffles this epoch's order), and its
+    batch size (a batch count means nothing with another)."""
+    sampler_epoch = getattr(loader.sampler, "epoch", None)
+    return {
+        "epoch": sampler_epoch if isinstance(sampler_epoch, int) else epoch,
+        "batch_size": loader.batch_size,
+    }
+
+
+def _set_epoch(loader: DataLoader[Any], epoch: int) -> None:
+    set_epoch = getattr(loader, "set_epoch", None) or getattr(loader.sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
+
+
+def _resume_loader(
+    loader: DataLoader[Any],
+    saved: Mapping[str, Any],
+    epoch: int,
+    batch: int,
+    rng: dict[str, Any] | None,
+    ctx: DistContext,
+) -> None:
+    """Make the loader's next pass start after `batch` batches of the saved epoch, and
+    restore `rng` once it has started (see `_arm`)."""
+    saved_size = saved.get("batch_size")
+    if saved_size is not None and saved_size != loader.batch_size and ctx.is_main:
+        log.warning(
+            "the state was saved with batch_size %s, this loader has %s: the resumed epoch "
+            "skips %d batches of the new size, not the samples that were trained",
+            saved_size,
+            loader.batch_size,
+            batch,
+        )
+    _set_epoch(loader, int(saved.get("epoch", epoch)))
+    skip = getattr(loader, "skip", None)
+    # prepare_loader's loaders skip the indices without loading them; any other
+    # (an IterableDataset's) reads past the batches.
+    skipped = bool(skip(batch)) if callable(skip) else False
+    _arm(loader, 0 if skipped else batch, rng)
+
+
+def _arm(loader: DataLoader[Any], read_past: int, rng: dict[str, Any] | None) -> None:
+    """Make the loader's next `iter()` read past `read_past` batches, then restore the
+    rank's random streams `rng`; later passes are plain.
+
+    The streams must be restored after the iterator is made and the batches are read
+    past, as Trainer does: both may draw random numbers (an IterableDataset's
+    augmentations, a loader without its own generator), which the uninterrupted run
+    drew before its save. Python looks `__iter__` up on the class, so the loader's
+    class is swapped, for one pass, for a subclass whose `__iter__` does this.
+    """
+    base: type[DataLoader[Any]] = getattr(type(loader), "_ddpkit_base", type(loader))
+    loader.__dict__["_ddpkit_resume"] = (read_past, rng)  # past DataLoader's __setattr__
+    loader.__class__ = _resuming(base)
+
+
+_RESUMING: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
+
+
+def _resuming(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
+    """The one-pass subclass of `base` (made once per loader class)."""
+    if base in _RESUMING:
+        return _RESUMING[base]
+
+    def __iter__(self: DataLoader[Any]) -> Iterator[Any]:
+        # The plain class first: this is for one pass, and a failure below leaves an
+        # ordinary loader behind.
+        self.__class__ = base
+        read_past, rng = self.__dict__.pop("_ddpkit_resume", (0, None))
+        batches = base.__iter__(self)
+        for _ in itertools.islice(batches, read_past):
+            pass
+        if rng is not None:
+            set_rng_state(rng)
+        return batches
+
+    namespace = {
+        "__iter__": __iter__,
+        "_ddpkit_base": base,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__doc__": base.__doc__,
+    }
+    _RESUMING[base] = type(base.__name__, (base,), namespace)
+    return _RESUMING[base]
+
+
+# -- what a weights-only load accepts ---------------------------------------------------
+# Exact types: a subclass (numpy.float64 is a float) is refused by the load.
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.Size, torch.dtype, torch.device)
+
+
+def _check_loadable(value: Any, where: str) -> None:
+    """Raise ConfigError when `value` holds something a weights-only load refuses, now
+    rather than at the resume, when the file could no longer be used."""
+    if type(value) in _LEAVES or isinstance(value, torch.Tensor):
+        return
+    if type(value) in (dict, OrderedDict):
+        for key, item in value.items():
+            _check_loadable(key, f"a key of {where}")
+            _check_loadable(item, f"{where}[{key!r}]")
+        return
+    if type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]")
+        return
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    raise ConfigError(
+        f"{where} is a {kind}, which a weights-only load refuses (it could run code), so "
+        "the state could not be resumed: store numbers, strings, tensors, and lists and "
+        "dicts of them (say float(x) or x.tolist())"
+    )
