@@ -214,7 +214,7 @@ def test_a_rank_inside_backward_is_shown_at_the_users_backward_line() -> None:
         seen.append(describe(_user_frame(sys._getframe().f_back)))
         return grad
 
-    weight.register_hook(hook)
+    weight.register_hook(hook)  # type: ignore[no-untyped-call]
     line = sys._getframe().f_lineno + 1
-    (weight * 2).sum().backward()
+    (weight * 2).sum().backward()  # type: ignore[no-untyped-call]
     assert seen == [f"{__file__}:{line} in {sys._getframe().f_code.co_name}"]
