@@ -13,6 +13,8 @@ import socket
 import tempfile
 from pathlib import Path
 
+from ddpkit.storage import is_running
+
 _OWNER = "owner"
 
 
@@ -35,9 +37,6 @@ def _abandoned(folder: Path) -> bool:
     """
     try:
         host, pid = (folder / _OWNER).read_text().split()
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return host == socket.gethostname()
+        return host == socket.gethostname() and not is_running(int(pid))
     except (OSError, ValueError):
         return False
-    return False
