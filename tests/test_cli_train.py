@@ -46,6 +46,18 @@ def test_seed_job_resumed_after_two_epochs_matches_four_straight(tmp_path: Path)
     assert out["test_accuracy"] is None and out["checkpoint"].endswith("ckpt-000000128.pt")
 
 
+@pytest.mark.slow
+def test_a_resume_past_a_corrupt_checkpoint_warns_once(tmp_path: Path) -> None:
+    common = ("train", "--example", "seed", "--nproc", "2", "--checkpoint-dir", str(tmp_path))
+    _result(run_cli(*common, "--epochs", "2", "--json"))
+    newest = tmp_path / "ckpt-000000064.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    resumed = run_cli(*common, "--epochs", "3", "--resume", "--json")
+    _result(resumed)
+    said = resumed.stdout + resumed.stderr
+    assert said.count("skipped corrupt ckpt-000000064.pt") == 1, said
+
+
 def _one_line_error(proc: Any, *needles: str) -> None:
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr

@@ -58,7 +58,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch is imported here, not at module level, so `ddpkit --help` stays fast.
-    from ddpkit.checkpoint import check_writable, latest_checkpoint
+    from ddpkit.checkpoint import check_writable, find_checkpoint
     from ddpkit.context import DistContext
     from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
 
@@ -74,8 +74,8 @@ def run(args: argparse.Namespace) -> int:
         check_folder("run_dir", config.run_dir)
     if config.checkpoint_dir is not None:
         check_writable(config.checkpoint_dir)
-        if config.resume:
-            latest_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
+        if config.resume:  # raises if none loads; the workers say what they skip
+            find_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
     result = launch(
         train_worker,
         job_name,
@@ -92,14 +92,16 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     else:
-        acc = result["test_accuracy"]
-        loss = math.nan if result["final_loss"] is None else result["final_loss"]
-        print(
-            f"done: {result['epochs']} epochs, {result['global_step']} steps, loss {loss:.4f}"
-            + (f", test accuracy {acc:.2%}" if acc is not None else "")
-            + f", {result['samples_per_s']:,.0f} samples/s, digest {result['model_digest'][:12]}",
-            flush=True,
-        )
+        acc, loss, speed = result["test_accuracy"], result["final_loss"], result["samples_per_s"]
+        parts = [f"done: {result['epochs']} epochs", f"{result['global_step']} steps"]
+        if loss is not None:  # None: a resumed run that had nothing left to train
+            parts.append(f"loss {loss:.4f}")
+        if acc is not None:
+            parts.append(f"test accuracy {acc:.2%}")
+        if speed:
+            parts.append(f"{speed:,.0f} samples/s")
+        parts.append(f"digest {result['model_digest'][:12]}")
+        print(", ".join(parts), flush=True)
     return 0
 
 

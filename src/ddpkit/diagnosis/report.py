@@ -154,6 +154,12 @@ class HangJudge:
         if waited < self.timeout:
             return None, None
         hang = Hang(statuses, "", now)
+        # When every rank waits, the job is stuck only since the last one began to: a
+        # report sampled a moment before its collective ended (or before the rank
+        # returned) must not read as a long mismatch.
+        settled = now - max(float(_since(statuses[r])) for r in waiters)
+        if not others and settled < self.timeout:
+            return None, None
         if all(kinds[r] == "parked" for r in others):
             hang.why = self._why(statuses, kinds, waiters, others, waited)
             return hang, None

@@ -1,0 +1,46 @@
+"""HangJudge on hand-made reports: the race between a sample and a collective ending
+must never read as a hang (seen in CI: rank 0 passed the barrier and returned, while
+rank 1's last sample, taken just before, still showed it in that barrier)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddpkit.diagnosis.report import HangJudge
+
+NOW = 1000.0
+
+
+def _finished(since: float, done: int) -> dict[str, Any]:
+    return {"state": "finished", "since": since, "collectives_done": done, "collective": None}
+
+
+def _waiting(seq: int, since: float) -> dict[str, Any]:
+    return {
+        "state": "running",
+        "sampled": NOW - 0.5,
+        "moved": since,
+        "active": since,
+        "collective": {"name": "barrier", "seq": seq, "where": "job.py:3", "since": since},
+    }
+
+
+def test_a_rank_that_just_finished_is_not_a_hang_for_a_rank_in_a_long_collective() -> None:
+    judge = HangJudge(hang_timeout=5.0, world_size=2)
+    statuses = {0: _finished(NOW, done=1), 1: _waiting(seq=1, since=NOW - 20)}
+    assert judge.judge(statuses, now=NOW) == (None, None)
+
+
+def test_a_rank_waiting_for_one_that_finished_long_ago_is_a_hang() -> None:
+    judge = HangJudge(hang_timeout=5.0, world_size=2)
+    statuses = {0: _finished(NOW - 6, done=0), 1: _waiting(seq=1, since=NOW - 20)}
+    hang, _ = judge.judge(statuses, now=NOW)
+    assert hang is not None and "finished" in hang.why
+
+
+def test_ranks_in_different_collectives_are_a_hang_once_the_last_has_waited() -> None:
+    judge = HangJudge(hang_timeout=5.0, world_size=2)
+    statuses = {0: _waiting(seq=4, since=NOW - 60), 1: _waiting(seq=5, since=NOW - 1)}
+    assert judge.judge(statuses, now=NOW)[0] is None  # rank 1 was busy until a second ago
+    hang, _ = judge.judge(statuses, now=NOW + 5)
+    assert hang is not None and "different collectives" in hang.why
