@@ -337,7 +337,7 @@ def _fit_and_listen(ctx: DistContext, config: TrainConfig) -> list[list[str]]:
     handler = Listen(logging.INFO)
     logging.getLogger("ddpkit").addHandler(handler)
     try:
-        trainer = build_job(ctx, "seed", config.seed).trainer(ctx, config, log_fn=heard.append)
+        trainer = build_job(ctx, "seed", config).trainer(ctx, config, log_fn=heard.append)
         trainer.fit()
     finally:
         logging.getLogger("ddpkit").removeHandler(handler)

@@ -313,7 +313,7 @@ def test_job_from_a_file_path(tmp_path: Path, clean_imports: None) -> None:
     path = write(tmp_path / "jobs" / "my_file_job.py", JOB)
     build, defaults = load_job(f"{path}:build")
     assert defaults == {"epochs": 2, "batch_size": 4}
-    assert build(None) == 7  # type: ignore[arg-type,comparison-overlap]  # imported its sibling
+    assert build(None) == 7  # type: ignore[comparison-overlap]  # imported its sibling
     module = sys.modules["my_file_job"]
     assert module.build is build and module.__file__ == str(path)
     assert str(path.parent) == sys.path[0]
@@ -329,7 +329,7 @@ def test_job_from_a_relative_file_path(
     write(tmp_path / "rel_job.py", "def build(ctx):\n    return 1\n")
     monkeypatch.chdir(tmp_path)
     build, defaults = load_job("rel_job.py:build")
-    assert defaults == {} and build(None) == 1  # type: ignore[arg-type,comparison-overlap]
+    assert defaults == {} and build(None) == 1  # type: ignore[comparison-overlap]
 
 
 def test_job_from_a_module_on_sys_path(tmp_path: Path, clean_imports: None) -> None:
@@ -421,7 +421,7 @@ def test_file_named_like_a_module_already_imported(tmp_path: Path, clean_imports
 def test_missing_function_lists_functions_of_one_argument() -> None:
     message = error_of(lambda: load_job("ddpkit.examples.seed:buld"))
     assert "ddpkit.examples.seed has no attribute 'buld'" in message
-    assert "one of its functions that take one argument: " in message
+    assert "one of its functions that take (ctx) or (ctx, config): " in message
     listed = message.rsplit(": ", 1)[1].split(", ")
     assert sorted(listed) == ["build", "dataset"]  # not Job, imported from ddpkit.job
 
@@ -429,10 +429,10 @@ def test_missing_function_lists_functions_of_one_argument() -> None:
 def test_missing_function_in_a_module_without_candidates(
     tmp_path: Path, clean_imports: None
 ) -> None:
-    path = write(tmp_path / "empty_job.py", "def two(a, b):\n    ...\n")
+    path = write(tmp_path / "empty_job.py", "def three(a, b, c):\n    ...\n")
     message = error_of(lambda: load_job(f"{path}:build"))
     assert "empty_job has no attribute 'build'" in message
-    assert "no function that takes one argument" in message
+    assert "no function that takes (ctx) or (ctx, config)" in message
     assert "def build(ctx: ddpkit.DistContext) -> ddpkit.Job" in message
 
 

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ddpkit import (
     CheckpointError,
@@ -308,3 +308,14 @@ def test_an_extra_that_could_not_be_resumed_is_refused_when_saving(tmp_path: Pat
     with pytest.raises(ConfigError, match="batch as an int >= 0"):
         save_state(tmp_path, CTX, **_parts(), epoch=0, batch=-1, step=1)
     assert list_checkpoints(tmp_path) == []
+
+
+def test_a_plain_dataloader_resumed_mid_epoch_is_refused_with_the_fix(tmp_path: Path) -> None:
+    data = TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+    plain = DataLoader(data, batch_size=4)
+    path = save_state(tmp_path, CTX, **_parts(), loader=plain, epoch=0, batch=2, step=2)
+    with pytest.raises(ConfigError, match=r"prepare_loader\(loader, ctx\)"):
+        load_state(path, CTX, **_parts(), loader=plain)
+    rebuilt = prepare_loader(plain, CTX)  # the fix the message names
+    load_state(path, CTX, **_parts(), loader=rebuilt)
+    assert len(list(rebuilt)) == 2  # the two batches after the save

@@ -57,6 +57,8 @@ _EXPORTS = {
     "Precision": "ddpkit.precision",
 }
 
+# `print` is public as `ddpkit.print`, but left out of `from ddpkit import *`, which
+# would shadow the builtin.
 __all__ = [
     "Accumulation",
     "Callback",
@@ -90,7 +92,6 @@ __all__ = [
     "no_backward_sync",
     "prepare_loader",
     "prepare_model",
-    "print",
     "rank_seed",
     "rank_zero_first",
     "reduce_mean",
@@ -123,7 +124,9 @@ if TYPE_CHECKING:
         barrier,
         broadcast_object,
         gather_for_metrics,
-        print,
+    )
+    from ddpkit.ranks import (
+        print as print,
     )
     from ddpkit.seed import rank_seed, seed_everything
     from ddpkit.state import load_state, save_state

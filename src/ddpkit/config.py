@@ -131,6 +131,19 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def steps_per_epoch(self, samples: int, world_size: int = 1) -> int:
+        """Optimizer steps in one epoch of a map-style training set of `samples` samples
+        on `world_size` ranks, as `Trainer` shards and batches it. Size a per-step
+        scheduler with it, in a job's `build(ctx, config)`::
+
+            total = config.epochs * config.steps_per_epoch(len(train), ctx.world_size)
+            OneCycleLR(opt, max_lr=1e-3, total_steps=total)
+        """
+        # DistributedSampler: ceil(samples / world) each (padded), or floor with drop_last.
+        per_rank = samples // world_size if self.drop_last else -(-samples // world_size)
+        batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)
+        return -(-batches // self.accumulate)  # a short last group steps too
+
 
 # -- checking one value ---------------------------------------------------------------
 

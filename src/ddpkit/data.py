@@ -11,12 +11,22 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    TensorDataset,
+    default_collate,
+)
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.seed import rank_seed
+from ddpkit.seed import rank_seed, set_rng_state
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of
 # (seed, rank, epoch) only, so a resumed run sees the same augmentations.
@@ -31,6 +41,7 @@ class DistributedLoader(DataLoader[Any]):
     `skip`, which starts the next epoch part-way without loading what it skips."""
 
     base_seed: int = 0
+    _resume_plan: tuple[int, dict[str, Any] | None] | None = None  # see resume_at
 
     @property
     def base_sampler(self) -> Any:
@@ -44,6 +55,28 @@ class DistributedLoader(DataLoader[Any]):
             set_sampler_epoch(epoch)
         if self.generator is not None:
             self.generator.manual_seed(self.base_seed + epoch * _EPOCH_STRIDE)
+
+    def resume_at(self, batches: int, rng: dict[str, Any] | None = None) -> None:
+        """Make the next pass start after its first `batches` batches (a mid-epoch
+        resume) and then restore the random streams `rng` (from `ddpkit.seed.rng_state()`).
+
+        The streams are restored only once the pass has started and the batches are
+        passed, because both may draw random numbers that the interrupted run drew
+        before it saved. Map-style data skips the indices without loading them; an
+        IterableDataset reads past its batches. Later passes are plain.
+        """
+        self._resume_plan = (0 if self.skip(batches) else batches, rng)
+
+    def __iter__(self) -> _BaseDataLoaderIter:
+        plan, self._resume_plan = self._resume_plan, None
+        batches = super().__iter__()
+        if plan is not None:
+            read_past, rng = plan
+            for _ in itertools.islice(batches, read_past):
+                pass
+            if rng is not None:
+                set_rng_state(rng)
+        return batches
 
     def skip(self, batches: int) -> bool:
         """Start the next epoch after its first `batches` batches, without loading them
@@ -150,9 +183,9 @@ def _as_is(batch: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def prepare_loader(
-    dataset: Dataset[Any],
+    dataset: Dataset[Any] | DataLoader[Any],
     ctx: DistContext,
-    batch_size: int,
+    batch_size: int | None = None,
     *,
     shuffle: bool | None = None,
     evaluation: bool = False,
@@ -164,8 +197,15 @@ def prepare_loader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
     persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
 ) -> DistributedLoader:
     """A DataLoader that gives this rank its share of `dataset`.
+
+    `dataset` may also be the DataLoader of a one-GPU script: it is rebuilt to shard its
+    dataset, keeping its batch size, `num_workers`, `collate_fn`, `pin_memory`,
+    `worker_init_fn`, `persistent_workers`, `prefetch_factor`, `drop_last` and whether
+    it shuffles (a RandomSampler); the other arguments here are then ignored, except
+    `evaluation`, `seed` and a `batch_size` or `shuffle` that you pass, which win.
 
     Training (the default) shuffles with a DistributedSampler seeded alike on every
     rank, so the ranks see disjoint shards of one permutation. Call
@@ -190,6 +230,7 @@ def prepare_loader(
         worker_init_fn: called in each worker when it starts (torch has seeded its
             Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
         persistent_workers: keep the workers alive between epochs.
+        prefetch_factor: batches each worker loads ahead (DataLoader's default if None).
 
     Returns:
         A `DataLoader` with a `set_epoch(epoch)` method.
@@ -197,6 +238,16 @@ def prepare_loader(
     Raises:
         ConfigError: for a bad size or a combination that cannot work.
     """
+    if isinstance(dataset, DataLoader):
+        return prepare_loader(
+            dataset.dataset,
+            ctx,
+            **_kept_options(dataset, batch_size, shuffle, evaluation),
+            evaluation=evaluation,
+            seed=seed,
+        )
+    if batch_size is None:
+        raise ConfigError("prepare_loader needs a batch_size for a dataset: pass batch_size=32")
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1 (got {batch_size}): pass --batch-size 32")
     if num_workers < 0:
@@ -258,6 +309,43 @@ def prepare_loader(
         worker_init_fn=worker_init_fn,
         generator=generator,
         persistent_workers=persistent_workers and num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
     loader.base_seed = seed + ctx.rank
     return loader
+
+
+def _kept_options(
+    loader: DataLoader[Any], batch_size: int | None, shuffle: bool | None, evaluation: bool
+) -> dict[str, Any]:
+    """The options of a user's DataLoader that `prepare_loader` keeps when it rebuilds it."""
+    if loader.batch_size is None:
+        raise ConfigError(
+            "cannot shard a DataLoader built with a batch_sampler (or batch_size=None): "
+            "pass its dataset and batch_size to prepare_loader, with a sampler that "
+            "shards by itself as sampler= if you need one"
+        )
+    kept: dict[str, Any] = {
+        "batch_size": loader.batch_size if batch_size is None else batch_size,
+        "drop_last": loader.drop_last,
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "collate_fn": None if loader.collate_fn is default_collate else loader.collate_fn,
+        "worker_init_fn": loader.worker_init_fn,
+        "persistent_workers": loader.persistent_workers,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+    }
+    order = loader.sampler
+    if isinstance(loader.dataset, IterableDataset) or evaluation:
+        return kept  # a stream shards itself; evaluation keeps the dataset's order
+    if isinstance(order, DistributedSampler):
+        kept["sampler"] = order  # already a shard of its own
+    elif isinstance(order, (RandomSampler, SequentialSampler)):
+        kept["shuffle"] = isinstance(order, RandomSampler) if shuffle is None else shuffle
+    else:
+        raise ConfigError(
+            f"the DataLoader's {type(order).__name__} cannot be sharded by ddpkit: pass "
+            "its dataset to prepare_loader with sampler= a sampler that gives each rank "
+            "its own share, or use shuffle=True/False"
+        )
+    return kept

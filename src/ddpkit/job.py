@@ -1,4 +1,5 @@
-"""Job: what a training job is made of, as returned by a `build(ctx)` function.
+"""Job: what a training job is made of, as returned by a `build(ctx)` function (or
+`build(ctx, config)`, which also sees the run's `TrainConfig`: epochs, batch size, ...).
 
 The built-in examples are jobs; so is a user's own job (`ddpkit train --job mod:build`).
 """
@@ -15,29 +16,39 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
+from ddpkit.batches import LossFn, MetricsFn, StepFn
 from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.seed import seed_everything
-from ddpkit.trainer import LossFn, Trainer
+from ddpkit.trainer import Trainer
 
 EXAMPLES = ("digits", "seed")
 
 
 @dataclass
 class Job:
-    """The parts of a training job. Build the optimizer on the bare model's parameters."""
+    """The parts of a training job. Build the optimizer on the bare model's parameters.
+
+    How a batch becomes a loss (`loss_fn`, a model that returns its own loss, or
+    `training_step`) is described in `Trainer`.
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     train_set: Dataset[Any]
-    loss_fn: LossFn
+    # For (inputs, targets) batches; dict batches use the model's own loss.
+    loss_fn: LossFn = nn.functional.cross_entropy
     eval_set: Dataset[Any] | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
     # A sampler that shards by itself (ranks may get unequal numbers of batches).
     train_sampler: Sampler[Any] | None = None
     callbacks: list[Callback] = field(default_factory=list)
+    # How samples become a batch, for training and evaluation (DataLoader's default if None).
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    training_step: StepFn | None = None  # training_step(model, batch) -> mean loss
+    metrics_fn: MetricsFn | None = None  # metrics_fn(model, batch) -> {name: batch mean}
 
     def trainer(
         self,
@@ -58,6 +69,9 @@ class Job:
             ctx,
             config,
             loss_fn=self.loss_fn,
+            collate_fn=self.collate_fn,
+            training_step=self.training_step,
+            metrics_fn=self.metrics_fn,
             eval_set=self.eval_set if evaluate else None,
             scheduler=self.scheduler,
             train_sampler=train_sampler if train_sampler is not None else self.train_sampler,
@@ -66,7 +80,8 @@ class Job:
         )
 
 
-BuildFn = Callable[[DistContext], Job]
+# build(ctx) or build(ctx, config): `jobspec.build_arity` tells which.
+BuildFn = Callable[..., Job]
 JobRef = BuildFn | str  # a build function, a built-in example's name, or MODULE:FUNCTION
 
 
@@ -80,10 +95,14 @@ def resolve_build(job: JobRef) -> BuildFn:
     return load_job(job)[0]
 
 
-def build_job(ctx: DistContext, job: JobRef, seed: int) -> Job:
-    """Seed every rank alike (so parameters and random ops start equal), then build."""
-    seed_everything(seed)
-    built = resolve_build(job)(ctx)
+def build_job(ctx: DistContext, job: JobRef, config: TrainConfig) -> Job:
+    """Seed every rank alike (so parameters and random ops start equal), then build,
+    passing `config` to a `build(ctx, config)`."""
+    from ddpkit.jobspec import build_arity  # light: inspect only, no user code
+
+    seed_everything(config.seed)
+    fn = resolve_build(job)
+    built = fn(ctx, config) if build_arity(fn) == 2 else fn(ctx)
     if not isinstance(built, Job):
         raise ConfigError(f"the job's build function returned {type(built).__name__}, not a Job")
     return built

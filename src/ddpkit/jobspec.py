@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # ddpkit.job imports torch; loading a spec does not need it
 
 
 def load_job(spec: str) -> tuple[BuildFn, dict[str, Any]]:
-    """The `build(ctx) -> Job` function that `spec` names, and its module's `DEFAULTS`.
+    """The `build(ctx) -> Job` (or `build(ctx, config)`) function that `spec` names, and
+    its module's `DEFAULTS`.
 
     `spec` is `package.module:function`, or `path/to/file.py:function` (a path ends
     in `.py` or holds a `/`). A file is loaded as a module named after its stem and
@@ -74,7 +75,8 @@ def load_job(spec: str) -> tuple[BuildFn, dict[str, Any]]:
     if _takes_one_argument(target) is False:
         raise ConfigError(
             f"{where} cannot be called with one argument: define it as "
-            f"def {attr_part.rsplit('.', 1)[-1]}(ctx: ddpkit.DistContext) -> ddpkit.Job"
+            f"def {attr_part.rsplit('.', 1)[-1]}(ctx: ddpkit.DistContext) -> ddpkit.Job "
+            "(or with a second parameter, config: ddpkit.TrainConfig)"
         )
 
     defaults = getattr(module, "DEFAULTS", None)
@@ -179,16 +181,16 @@ def _missing_attr_message(module: types.ModuleType, attr: str, depth: int, spec:
     if candidates:
         return (
             f"{head}: pass --job {spec.rpartition(':')[0]}:NAME with one of its functions "
-            f"that take one argument: {', '.join(candidates)}"
+            f"that take (ctx) or (ctx, config): {', '.join(candidates)}"
         )
     return (
-        f"{head}, and it has no function that takes one argument: define "
+        f"{head}, and it has no function that takes (ctx) or (ctx, config): define "
         "def build(ctx: ddpkit.DistContext) -> ddpkit.Job in it"
     )
 
 
 def _one_argument_functions(module: types.ModuleType) -> list[str]:
-    """The public functions defined in `module` that can be called with one argument."""
+    """The public functions defined in `module` that can be called as a build."""
     return [
         name
         for name, obj in vars(module).items()
@@ -199,14 +201,30 @@ def _one_argument_functions(module: types.ModuleType) -> list[str]:
     ]
 
 
-def _takes_one_argument(fn: Any) -> bool | None:
-    """Whether `fn(x)` binds; None when the signature cannot be read."""
+def build_arity(fn: Any) -> int | None:
+    """How `fn` is called as a job's build: 2 for `build(ctx, config)`, 1 for
+    `build(ctx)`, 0 when it can be called neither way, None when its signature cannot
+    be read. A second parameter with a default is passed the config only when it is
+    named `config`, so `build(ctx, width=64)` keeps its default."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
+    one, two = _binds(signature, 1), _binds(signature, 2)
+    if two and (not one or "config" in signature.parameters):
+        return 2
+    return 1 if one else 0
+
+
+def _binds(signature: inspect.Signature, count: int) -> bool:
     try:
-        signature.bind(object())
+        signature.bind(*[object()] * count)
     except TypeError:
         return False
     return True
+
+
+def _takes_one_argument(fn: Any) -> bool | None:
+    """Whether `fn` can be called as `build(ctx)` or `build(ctx, config)`."""
+    arity = build_arity(fn)
+    return None if arity is None else arity > 0

@@ -45,11 +45,10 @@ weights-only `torch.load` accepts, mapped onto each rank's own device.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,6 +59,7 @@ from torch.utils.data import DataLoader
 
 from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, load_model_state, save_checkpoint
 from ddpkit.context import DistContext
+from ddpkit.data import DistributedLoader
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.model import unwrap
 from ddpkit.seed import set_rng_state
@@ -360,7 +360,13 @@ def _resume_loader(
     ctx: DistContext,
 ) -> None:
     """Make the loader's next pass start after `batch` batches of the saved epoch, and
-    restore `rng` once it has started (see `_arm`)."""
+    restore `rng` once it has started (see `DistributedLoader.resume_at`)."""
+    if not isinstance(loader, DistributedLoader):
+        raise ConfigError(
+            f"load_state cannot resume a {type(loader).__name__} mid-epoch: pass the loader "
+            "that ddpkit.prepare_loader returns (it also takes your DataLoader: "
+            "loader = ddpkit.prepare_loader(loader, ctx))"
+        )
     saved_size = saved.get("batch_size")
     if saved_size is not None and saved_size != loader.batch_size and ctx.is_main:
         log.warning(
@@ -370,58 +376,8 @@ def _resume_loader(
             loader.batch_size,
             batch,
         )
-    _set_epoch(loader, int(saved.get("epoch", epoch)))
-    skip = getattr(loader, "skip", None)
-    # prepare_loader's loaders skip the indices without loading them; any other
-    # (an IterableDataset's) reads past the batches.
-    skipped = bool(skip(batch)) if callable(skip) else False
-    _arm(loader, 0 if skipped else batch, rng)
-
-
-def _arm(loader: DataLoader[Any], read_past: int, rng: dict[str, Any] | None) -> None:
-    """Make the loader's next `iter()` read past `read_past` batches, then restore the
-    rank's random streams `rng`; later passes are plain.
-
-    The streams must be restored after the iterator is made and the batches are read
-    past, as Trainer does: both may draw random numbers (an IterableDataset's
-    augmentations, a loader without its own generator), which the uninterrupted run
-    drew before its save. Python looks `__iter__` up on the class, so the loader's
-    class is swapped, for one pass, for a subclass whose `__iter__` does this.
-    """
-    base: type[DataLoader[Any]] = getattr(type(loader), "_ddpkit_base", type(loader))
-    loader.__dict__["_ddpkit_resume"] = (read_past, rng)  # past DataLoader's __setattr__
-    loader.__class__ = _resuming(base)
-
-
-_RESUMING: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
-
-
-def _resuming(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
-    """The one-pass subclass of `base` (made once per loader class)."""
-    if base in _RESUMING:
-        return _RESUMING[base]
-
-    def __iter__(self: DataLoader[Any]) -> Iterator[Any]:
-        # The plain class first: this is for one pass, and a failure below leaves an
-        # ordinary loader behind.
-        self.__class__ = base
-        read_past, rng = self.__dict__.pop("_ddpkit_resume", (0, None))
-        batches = base.__iter__(self)
-        for _ in itertools.islice(batches, read_past):
-            pass
-        if rng is not None:
-            set_rng_state(rng)
-        return batches
-
-    namespace = {
-        "__iter__": __iter__,
-        "_ddpkit_base": base,
-        "__module__": base.__module__,
-        "__qualname__": base.__qualname__,
-        "__doc__": base.__doc__,
-    }
-    _RESUMING[base] = type(base.__name__, (base,), namespace)
-    return _RESUMING[base]
+    loader.set_epoch(int(saved.get("epoch", epoch)))
+    loader.resume_at(batch, rng)
 
 
 # -- what a weights-only load accepts ---------------------------------------------------

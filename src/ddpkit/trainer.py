@@ -21,6 +21,15 @@ from torch import nn
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from ddpkit.batches import (
+    LossFn,
+    MetricsFn,
+    StepFn,
+    count_samples,
+    default_step,
+    is_pair,
+    to_device,
+)
 from ddpkit.callbacks import Callback, EarlyStopping
 from ddpkit.checkpoint import (
     check_same_model,
@@ -36,12 +45,12 @@ from ddpkit.data import prepare_loader
 from ddpkit.errors import ConfigError
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, unwrap
+from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 
 log = logging.getLogger("ddpkit")
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Autocast dtype of each TrainConfig.precision.
 # Steps enter a few contexts that are mostly no-ops: share one instead of making many.
 _NOTHING = contextlib.nullcontext()
@@ -69,8 +78,13 @@ class Trainer:
     `config.compile`; build the optimizer on the bare model's parameters first, as in
     a one-GPU script.
 
-    A batch is `(inputs, targets)`: the model is called as `model(inputs)` and the loss
-    as `loss_fn(outputs, targets)`, which must return the mean over the batch.
+    A batch may be any nesting of tensors, tuples, lists, dicts and dataclasses; it is
+    moved to the device as it is. Its loss, the mean over the batch, is:
+    - `training_step(model, batch)` when you give one;
+    - for an `(inputs, targets)` pair, `loss_fn(model(inputs), targets)`;
+    - for a dict, `model(**batch)`, which returns its own loss (`outputs.loss`,
+      `outputs["loss"]` or a single number), as HuggingFace models do given labels;
+    - for anything else, `model(batch)`, which returns its own loss.
 
     Args:
         model: the bare model.
@@ -79,7 +93,15 @@ class Trainer:
         ctx: this rank's `DistContext` (from `launch`).
         config: the run's options (epochs, batch size, precision, checkpoints, ...);
             `TrainConfig()` if None.
-        loss_fn: `loss_fn(outputs, targets) -> mean loss` (default: cross-entropy).
+        loss_fn: `loss_fn(outputs, targets) -> mean loss` for `(inputs, targets)`
+            batches (default: cross-entropy).
+        collate_fn: how samples become a batch, in training and evaluation
+            (DataLoader's default if None).
+        training_step: `training_step(model, batch) -> mean loss`, used instead of the
+            rules above, in training and in evaluation.
+        metrics_fn: `metrics_fn(model, batch) -> {name: mean over the batch}`, called in
+            evaluation; each is averaged over every sample of the eval set, all ranks
+            together, and reported as `eval_<name>`.
         eval_set: data evaluated after each epoch; every sample counts exactly once.
         scheduler: a learning-rate scheduler, stepped per epoch or per step
             (`config.scheduler_interval`).
@@ -100,6 +122,9 @@ class Trainer:
         config: TrainConfig | None = None,
         *,
         loss_fn: LossFn = nn.functional.cross_entropy,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        training_step: StepFn | None = None,
+        metrics_fn: MetricsFn | None = None,
         eval_set: Dataset[Any] | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         train_sampler: Sampler[Any] | None = None,
@@ -123,6 +148,8 @@ class Trainer:
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self.scheduler = scheduler
         self.loss_fn = loss_fn
+        self.training_step = training_step
+        self.metrics_fn = metrics_fn
         self.train_loader = prepare_loader(
             train_set,
             ctx,
@@ -131,6 +158,7 @@ class Trainer:
             sampler=train_sampler,
             num_workers=config.num_workers,
             drop_last=config.drop_last,
+            collate_fn=collate_fn,
         )
         self.eval_loader = (
             None
@@ -141,6 +169,7 @@ class Trainer:
                 config.batch_size,
                 evaluation=True,
                 num_workers=config.num_workers,
+                collate_fn=collate_fn,
             )
         )
         self.amp_dtype = AMP_DTYPES[config.precision]
@@ -278,18 +307,18 @@ class Trainer:
         )
         start = time.perf_counter()
         for batch, (num, den), step_now, position in micro_batches:
-            inputs, targets = (t.to(device, non_blocking=True) for t in batch)
+            size_b = count_samples(batch)
+            batch = to_device(batch, device)
             dummy = num == 0
             if dummy:  # no data left here: take part in the step, change nothing
                 model.eval()
             with self._no_sync(not step_now), self._autocast():
-                loss = self.loss_fn(model(inputs), targets)
+                loss, _ = self._loss(model, batch)
             scaled = loss * num if num != 1 else loss
             self._backward(scaled / den if den != 1 else scaled)
             if dummy:
                 model.train()
             else:
-                size_b = len(targets)
                 loss_sum.add_(loss.detach().float(), alpha=size_b)
                 count += size_b
                 if window is not None:
@@ -321,7 +350,7 @@ class Trainer:
         while True:
             group = list(itertools.islice(batch_iter, k))
             position += k
-            counts = [_count(b) for b in group]
+            counts = [count_samples(b) for b in group]
             stranded = not group and self._last_batch is None
             step_total, any_stranded = reduce_sums([sum(counts), int(stranded)], self.ctx)
             if step_total == 0:
@@ -390,26 +419,35 @@ class Trainer:
         was_training = model.training
         model.eval()
         device = self.ctx.device
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device, dtype=torch.long)
+        sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
         count, classify = 0, False
-        for inputs, targets in self.eval_loader:
-            inputs = inputs.to(device, non_blocking=True)
-            targets = targets.to(device, non_blocking=True)
+        for batch in self.eval_loader:
+            n = count_samples(batch)
+            batch = to_device(batch, device)
             with self._autocast():
-                outputs = model(inputs)
-                loss_sum += self.loss_fn(outputs, targets).float() * len(targets)
-            if outputs.ndim == 2 and outputs.shape[1] > 1 and not targets.is_floating_point():
+                loss, outputs = self._loss(model, batch)
+                values = dict(self.metrics_fn(model, batch)) if self.metrics_fn else {}
+            values["loss"] = loss
+            targets = batch[1] if self.training_step is None and is_pair(batch) else None
+            if _class_logits(outputs, targets):
                 classify = True
-                correct += (outputs.argmax(dim=1) == targets).sum()
-            count += len(targets)
+                values["accuracy"] = (outputs.argmax(dim=1) == targets).float().mean()
+            for name, value in values.items():
+                weighted = torch.as_tensor(value, device=device).detach().double() * n
+                sums[name] = sums[name] + weighted if name in sums else weighted
+            count += n
         model.train(was_training)
-        total_loss, total_correct, total, any_classify = reduce_sums(
-            [loss_sum, correct, count, int(classify)], self.ctx
-        )
-        metrics = {"eval_loss": total_loss / max(total, 1), "eval_samples": total}
+        # Every rank reduces the same names in the same order, even one with no batch.
+        names = ["loss", *(self._metric_names(sums)), "accuracy"]
+        zero = torch.zeros((), device=device, dtype=torch.float64)
+        totals = reduce_sums([*(sums.get(k, zero) for k in names), count, int(classify)], self.ctx)
+        *values_sum, total, any_classify = totals
+        means = {k: v / max(total, 1.0) for k, v in zip(names, values_sum, strict=True)}
+        metrics: dict[str, float] = {"eval_loss": means.pop("loss"), "eval_samples": total}
+        accuracy = means.pop("accuracy")
+        metrics.update({f"eval_{k}": v for k, v in means.items()})
         if any_classify:
-            metrics["accuracy"] = total_correct / max(total, 1)
+            metrics["accuracy"] = accuracy
         self._call("on_evaluate", metrics)
         return metrics
 
@@ -497,6 +535,20 @@ class Trainer:
         self.say(f"{skipped}nothing to do: {path} {done}")
 
     # -- pieces of a step -------------------------------------------------------------
+    def _loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
+        """(mean loss of `batch`, the model's outputs or None): see the class docstring."""
+        if self.training_step is not None:
+            return self.training_step(model, batch), None
+        return default_step(model, batch, self.loss_fn)
+
+    def _metric_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
+        """The names metrics_fn gave, the same list on every rank (rank 0's: a rank with
+        no eval batch has seen none, and rank 0 has the most samples)."""
+        names = [k for k in sums if k not in ("loss", "accuracy")]
+        if self.metrics_fn is None or not self.ctx.distributed:
+            return names
+        return broadcast_object(names)
+
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.amp_dtype is None:
             return _NOTHING
@@ -531,8 +583,9 @@ class Trainer:
             f"{metrics['samples_per_s']:,.0f} samples/s",
             f"{seconds:.2f}s",
         ]
-        if "eval_loss" in metrics:
-            parts.append(f"eval_loss {metrics['eval_loss']:.4f}")
+        for name, value in metrics.items():  # eval_loss, then the metrics_fn's
+            if name.startswith("eval_") and name != "eval_samples":
+                parts.append(f"{name} {value:.4f}")
         if "accuracy" in metrics:
             parts.append(f"accuracy {metrics['accuracy']:.2%}")
         self.say(" | ".join(parts))
@@ -597,9 +650,15 @@ def _fixed_groups(batch_iter: Iterable[Any], k: int, skip: int, total: int) -> I
         yield batch, (1.0, float(size)), i - first == size - 1, i + 1
 
 
-def _count(batch: Any) -> int:
-    """Samples in a batch: the length of its targets."""
-    return len(batch[1])
+def _class_logits(outputs: Any, targets: Any) -> bool:
+    """Whether `outputs` are class scores for integer `targets` (accuracy applies)."""
+    return (
+        isinstance(outputs, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and outputs.ndim == 2
+        and outputs.shape[1] > 1
+        and not targets.is_floating_point()
+    )
 
 
 def _length(loader: Any) -> int | None:

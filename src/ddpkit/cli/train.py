@@ -131,7 +131,7 @@ def train_worker(ctx: Any, job_name: str, config: Any) -> dict[str, Any]:
     from ddpkit.digest import model_digest
     from ddpkit.job import build_job
 
-    trainer = build_job(ctx, job_name, config.seed).trainer(ctx, config)
+    trainer = build_job(ctx, job_name, config).trainer(ctx, config)
     fit = trainer.fit()
     return {
         "example": job_name,

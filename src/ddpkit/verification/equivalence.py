@@ -183,7 +183,7 @@ class _Record(Callback):
 def _equivalence_rank(
     ctx: DistContext, job: JobRef, config: TrainConfig, steps: int, dtype: str, folder: str
 ) -> None:
-    built, switched = build(ctx, job, config.seed, dtype)
+    built, switched = build(ctx, job, config, dtype)
     if isinstance(built.train_set, IterableDataset):
         raise ConfigError(_NOT_MAP_STYLE)
     probe = probe_dataset(built.train_set)  # leaves the RNGs as they were
@@ -318,7 +318,7 @@ def _reference_rank(
     atol: float,
     rtol: float,
 ) -> dict[str, Any]:
-    built, _ = build(ctx, job, config.seed, dtype)
+    built, _ = build(ctx, job, config, dtype)
     built.train_set = promote_data(Replay(Path(folder, "samples"), keys), dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
     # Loading files needs no worker processes, and draws no random numbers.

@@ -109,7 +109,7 @@ def _resume_rank(
 ) -> None:
     checkpoints = str(Path(folder, "checkpoints"))
     for phase in phases:  # each builds the job afresh, seeded as `ddpkit train` does
-        built = build_job(ctx, job, config.seed)
+        built = build_job(ctx, job, config)
         if phase == "straight" and ctx.is_main:  # the probe leaves the RNGs as they were
             Path(folder, "probe.json").write_text(json.dumps(probe_dataset(built.train_set)))
         if phase == "straight":

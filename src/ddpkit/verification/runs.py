@@ -58,12 +58,12 @@ def resume_cut(steps: int) -> int:
 
 
 # -- the job, built the way `ddpkit train` builds it ------------------------------------
-def build(ctx: DistContext, job: JobRef, seed: int, dtype: str) -> tuple[Job, int]:
+def build(ctx: DistContext, job: JobRef, config: TrainConfig, dtype: str) -> tuple[Job, int]:
     """The job as `ddpkit train` builds it, its model promoted to float64 if asked
     (`promote_data` does the same for data), with Dropout switched off (one process
     cannot draw the random masks that N ranks draw); returns how many Dropout layers
     were switched off."""
-    built = build_job(ctx, job, seed)
+    built = build_job(ctx, job, config)
     if dtype == "float64":
         # In place: the optimizer keeps pointing at the same Parameter objects.
         built.model.double()
