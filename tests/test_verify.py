@@ -139,3 +139,15 @@ def test_bad_input_is_one_line(args: list[str], words: str) -> None:
 def test_the_python_api_rejects_one_process() -> None:
     with pytest.raises(ConfigError, match="N >= 2"):
         ddpkit.verify("seed", nproc=1)
+
+
+def test_jobs_of_dict_and_dataclass_batches_built_from_the_config_pass() -> None:
+    # build(ctx, config) sizes OneCycleLR from config.steps_per_epoch: the one-process
+    # run must build the job with its own config (the global batch), or its schedule
+    # differs. Dataclass batches must be promoted to float64 like tuples.
+    from tests import shaped_jobs
+
+    config = ddpkit.TrainConfig(batch_size=32, num_workers=0, scheduler_interval="step")
+    for build in (shaped_jobs.build_dict, shaped_jobs.build_step):
+        report = ddpkit.verify(build, config, steps=6)
+        assert report.passed, report

@@ -19,6 +19,7 @@ _EXPORTS = {
     "CheckpointError": "ddpkit.errors",
     "WorkerError": "ddpkit.errors",
     "HangError": "ddpkit.errors",
+    "Preempted": "ddpkit.errors",
     "rank_zero_first": "ddpkit.distributed",
     "launch": "ddpkit.launcher",
     "prepare_model": "ddpkit.model",
@@ -71,6 +72,7 @@ __all__ = [
     "HangError",
     "Job",
     "Precision",
+    "Preempted",
     "SyncBatchNorm",
     "TrainConfig",
     "Trainer",
@@ -112,7 +114,14 @@ if TYPE_CHECKING:
     from ddpkit.data import prepare_loader
     from ddpkit.digest import model_digest
     from ddpkit.distributed import rank_zero_first
-    from ddpkit.errors import CheckpointError, ConfigError, DdpkitError, HangError, WorkerError
+    from ddpkit.errors import (
+        CheckpointError,
+        ConfigError,
+        DdpkitError,
+        HangError,
+        Preempted,
+        WorkerError,
+    )
     from ddpkit.job import Job
     from ddpkit.launcher import launch
     from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums

@@ -46,7 +46,7 @@ from ddpkit.diagnosis.report import (  # noqa: E402
     read_reports,
     status_key,
 )
-from ddpkit.errors import ConfigError  # noqa: E402
+from ddpkit.errors import PREEMPTED_EXIT, ConfigError  # noqa: E402
 from ddpkit.launcher import serve_store, threads_per_rank  # noqa: E402
 from ddpkit.scratch import scratch_dir  # noqa: E402
 
@@ -288,13 +288,21 @@ def _supervise(
     watch = _HangWatch(reports, hang_timeout, world_size) if hang_timeout > 0 else None
     if watch:
         watch.start()
+    # torchrun's agent stops its workers with SIGTERM on SIGTERM, SIGINT and SIGHUP;
+    # SIGUSR1 (SLURM's --signal=USR1@90) would kill it outright. Make it a SIGTERM:
+    # the workers then save (a Trainer with a checkpoint folder) within torchrun's 30 s.
+    previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
         torchrun(parsed)  # type: ignore[no-untyped-call]
         return 0
     except ChildFailedError as exc:
+        if _said_preempted(status):  # a worker got the signal itself
+            return PREEMPTED_EXIT
         print(_crash_report(exc, _latest_attempt(status)), file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
+        if _said_preempted(status):
+            return PREEMPTED_EXIT
         if watch is not None and watch.hang is not None:
             hang = watch.hang
             print(
@@ -307,8 +315,18 @@ def _supervise(
         print(f"ddpkit: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
+        signal.signal(signal.SIGUSR1, previous)
         if watch:
             watch.done.set()
+
+
+def _said_preempted(status: Path) -> bool:
+    """Whether the ranks saved and stopped on a signal; if so, say so (once)."""
+    said = read_reports(_latest_attempt(status), ".preempted.json")
+    if not said:
+        return False
+    print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)
+    return True
 
 
 def _crash_report(exc: Any, folder: Path) -> str:

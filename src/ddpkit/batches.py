@@ -26,29 +26,28 @@ MetricsFn = Callable[[nn.Module, Any], Mapping[str, Any]]
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """`batch` with every tensor in it moved to `device` (structure and types kept)."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+
+
+def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`batch` with `fn` applied to every tensor in it (structure and types kept)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, Mapping):
-        moved = {k: to_device(v, device) for k, v in batch.items()}
+        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
         if type(batch) is dict:
-            return moved
+            return mapped
         try:  # OrderedDict, HuggingFace's BatchEncoding, ...: keep the type if it allows
-            return type(batch)(moved)  # type: ignore[call-arg]
+            return type(batch)(mapped)  # type: ignore[call-arg]
         except Exception:
-            return moved
+            return mapped
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(map_tensors(v, fn) for v in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(
-            batch,
-            **{
-                f.name: to_device(getattr(batch, f.name), device)
-                for f in dataclasses.fields(batch)
-                if f.init
-            },
-        )
+        fields = [f.name for f in dataclasses.fields(batch) if f.init]
+        return dataclasses.replace(batch, **{n: map_tensors(getattr(batch, n), fn) for n in fields})
     return batch
 
 

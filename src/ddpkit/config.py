@@ -94,6 +94,14 @@ class TrainConfig:
         "epoch", "step the LR scheduler per 'epoch' or per 'step'", example="step"
     )
     """When the learning-rate scheduler steps: after each "epoch" or each optimizer "step"."""
+    on_signal: Literal["save", "stop"] = _opt(
+        "save",
+        "on SIGTERM, SIGUSR1 or Ctrl-C: 'save' a checkpoint first, or 'stop'",
+        example="stop",
+    )
+    """With a checkpoint folder, a stop signal (a cluster's preemption, Ctrl-C) makes
+    every rank save after the same optimizer step and exit to be resumed ("save"); or
+    every rank stops at once, losing what the last checkpoint does not hold ("stop")."""
     compile: bool = _opt(False, "torch.compile the model (after the DDP wrap)")
     """Compile the model with torch.compile: a slower start, often a faster step."""
     run_dir: str | None = _opt(

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+from pathlib import Path
+from typing import Any
+
+# The exit status of a job that stopped on a signal after saving, to be resumed
+# (sysexits' EX_TEMPFAIL: "try again later").
+PREEMPTED_EXIT = 75
+
 
 class DdpkitError(Exception):
     """Base class of every error ddpkit raises on purpose."""
@@ -50,3 +58,18 @@ class HangError(DdpkitError):
 
     def __str__(self) -> str:
         return f"{self.summary}\n\n{self.stacks}" if self.stacks else self.summary
+
+
+class Preempted(DdpkitError):
+    """The job stopped on a signal after every rank saved the same step; resume it."""
+
+    def __init__(self, checkpoint: str | Path, step: int, signum: int) -> None:
+        self.checkpoint, self.step, self.signum = Path(checkpoint), step, signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}; saved "
+            f"{self.checkpoint}: resume from it (with ddpkit train: the same command and "
+            "--resume)"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # sent from the workers to the launcher
+        return (Preempted, (self.checkpoint, self.step, self.signum))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -35,7 +36,14 @@ from ddpkit.context import DistContext
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, HangJudge, blame_key, read_reports
 from ddpkit.diagnosis.watchdog import Watchdog
 from ddpkit.distributed import destroy_group
-from ddpkit.errors import ConfigError, HangError, WorkerError
+from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
+from ddpkit.preemption import (
+    DEFAULT_SIGNAL_GRACE,
+    STOP_SIGNALS,
+    SignalForwarder,
+    install_handlers,
+    restore_handlers,
+)
 from ddpkit.scratch import scratch_dir
 
 log = logging.getLogger("ddpkit")
@@ -128,6 +136,7 @@ def launch(
     init: Init = "tcp",
     timeout: float = 1800.0,
     hang_timeout: float | None = None,
+    signal_grace: float = DEFAULT_SIGNAL_GRACE,
 ) -> T:
     """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
@@ -147,6 +156,10 @@ def launch(
             job is stopped and diagnosed, and how often a rank that keeps the others
             waiting while it works is reported (0: never). At most `timeout`; default
             300 s, or `timeout` if that is shorter.
+        signal_grace: after SIGTERM, SIGUSR1 or Ctrl-C, how long the ranks may take to
+            save and stop (a `Trainer` with a checkpoint folder saves after the step
+            they agree on) before they are stopped regardless. The signal may reach
+            this process, which passes it on, or any worker.
 
     Returns:
         What `fn` returned on rank 0.
@@ -155,6 +168,7 @@ def launch(
         WorkerError: a rank raised or died; it names the rank and carries its traceback.
             The other ranks are stopped.
         HangError: the ranks stopped making progress; it says where each one is stuck.
+        Preempted: a stop signal came, and every rank saved the same step (resume it).
         ConfigError: a bad argument, named with its fix.
     """
     if init not in ("tcp", "file"):
@@ -165,6 +179,11 @@ def launch(
         raise ConfigError(f"hang_timeout must be >= 0 seconds (got {hang_timeout}); 0 turns it off")
     if not timeout > 0:
         raise ConfigError(f"timeout must be > 0 seconds (got {timeout}): pass timeout=1800")
+    if not 0 < signal_grace < math.inf:
+        raise ConfigError(
+            f"signal_grace must be a number of seconds > 0 (got {signal_grace}): "
+            f"pass --signal-grace {DEFAULT_SIGNAL_GRACE:.0f}"
+        )
     if hang_timeout > timeout:
         # A collective fails at `timeout`: a longer hang_timeout would never be reached.
         raise ConfigError(
@@ -180,7 +199,7 @@ def launch(
     n = resolve_nprocs(nprocs, backend_)
     if n == 1:
         return _run_single(fn, args, backend_, timeout)
-    return _spawn(fn, args, n, backend_, init, timeout, hang_timeout)
+    return _spawn(fn, args, n, backend_, init, timeout, hang_timeout, signal_grace)
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -213,9 +232,11 @@ def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeo
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(1))
     _init_group(backend, 0, 1, device, timeout_s, store=HashStore())
+    handlers = install_handlers((*STOP_SIGNALS, signal.SIGINT))  # save on a signal
     try:
         return fn(DistContext(0, 0, 1, 1, device, backend), *args)
     finally:
+        restore_handlers(handlers)
         destroy_group()
         torch.set_num_threads(threads)
         sys.excepthook = hook
@@ -227,9 +248,11 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = _device_for(backend, local_rank)
     _init_group(backend, rank, world, device, timeout_s, init_method="env://")
+    handlers = install_handlers()  # torchrun's agent passes SIGTERM on to its workers
     try:
         return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
     finally:
+        restore_handlers(handlers)
         # The script goes on after us, so we cannot skip its shutdown as spawned
         # workers do (see _exit_now); a short pause lets gloo's threads release their
         # last work first, which avoids the rare abort at exit.
@@ -245,6 +268,7 @@ def _spawn(
     init: str,
     timeout_s: float,
     hang_timeout: float,
+    signal_grace: float,
 ) -> T:
     mp = multiprocessing.get_context("spawn")
     store: Any = serve_store(world_size=n) if init == "tcp" else None
@@ -264,6 +288,11 @@ def _spawn(
     )
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
+    forwarder = SignalForwarder(
+        lambda: [p.pid for p in procs.values() if p.pid is not None and p.is_alive()],
+        signal_grace,
+    )
+    handlers = forwarder.install()
     try:
         for rank in range(n):
             recv, send = mp.Pipe(duplex=False)
@@ -282,8 +311,9 @@ def _spawn(
                 send.close()
             procs[rank], conns[rank] = proc, recv
         judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
-        return cast(T, _supervise(procs, conns, status, judge))
+        return cast(T, _supervise(procs, conns, status, judge, forwarder))
     finally:
+        restore_handlers(handlers)
         _stop(procs.values())
         for conn in conns.values():
             conn.close()
@@ -308,11 +338,14 @@ def _supervise(
     conns: dict[int, Connection],
     status: Path | None,
     judge: HangJudge,
+    forwarder: SignalForwarder,
 ) -> Any:
     """Wait for every worker; soon after the first failure, raise the likely cause;
     raise HangError when the ranks certainly cannot go on (see HangJudge), and print
-    its notices about ranks that keep the others waiting."""
+    its notices about ranks that keep the others waiting. After a stop signal, raise
+    `Preempted` when the ranks saved, else leave as the signal would have."""
     results: dict[int, Any] = {}
+    preempted: dict[int, Preempted] = {}
     failures: list[tuple[float, WorkerError]] = []
     running = dict(procs)
     open_conns = dict(conns)
@@ -328,6 +361,8 @@ def _supervise(
                 return
             if msg[0] == "ok":
                 results[rank] = msg[1]
+            elif msg[0] == "preempted":
+                preempted[rank] = msg[1]
             else:
                 _, when, exc_type, text, tb = msg
                 message = f"rank {rank} raised {exc_type}: {text}"
@@ -337,6 +372,15 @@ def _supervise(
     while running:
         now = time.monotonic()
         if settle_until is not None and now >= settle_until:
+            break
+        if forwarder.expired():
+            print(
+                f"ddpkit: the ranks did not save and stop within {forwarder.grace:g} s of "
+                "the signal: stopping them; the newest checkpoint on disk is complete",
+                file=sys.stderr,
+                flush=True,
+            )
+            _stop(running.values())
             break
         if all_done_at is not None and now - all_done_at > _EXIT_GRACE_S:
             # Every rank returned its result; one still tearing down its process group
@@ -364,12 +408,16 @@ def _supervise(
             settle_until = time.monotonic() + _SETTLE_S
         if all_done_at is None and len(results) == len(procs):
             all_done_at = time.monotonic()
-        if status is not None and not failures:
+        if status is not None and not failures and not forwarder.signum:
             hang, notice = judge.judge(read_reports(status))
             if notice:
                 print(notice, file=sys.stderr, flush=True)
             if hang is not None:
                 raise HangError(hang.summary(len(procs)), hang.stacks())
+    if preempted:
+        raise preempted[min(preempted)]
+    if forwarder.signum and len(results) < len(procs):
+        forwarder.stop_now()  # stopped by the signal before anything was saved
     if failures:
         raise min(failures, key=_blame_key)[1]
     if 0 not in results:
@@ -460,11 +508,6 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # Raising here runs the worker's `finally` (destroy_process_group) on the way out.
-    raise SystemExit(128 + signum)
-
-
 def _worker(
     rank: int, spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 ) -> None:
@@ -472,7 +515,9 @@ def _worker(
     # Ctrl-C reaches every process of the terminal; the parent alone handles it and
     # stops the workers, so they don't each print a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    # SIGTERM or SIGUSR1: save and stop if a Trainer with a checkpoint folder runs,
+    # else stop at once (see preemption).
+    install_handlers()
     if not logging.getLogger().handlers:
         logging.basicConfig(level=spec.log_level, format=f"[rank {rank}] %(message)s")
     world = spec.world_size
@@ -521,6 +566,8 @@ def _worker(
         if watchdog is not None:
             watchdog.finish()  # from now on it waits for the others: no longer hung
         _send(conn, ("ok", result if rank == 0 else None))
+    except Preempted as exc:
+        _send(conn, ("preempted", exc))
     except SystemExit as exc:
         if exc.code in (0, None):
             _send(conn, ("ok", None))

@@ -42,9 +42,10 @@ from ddpkit.checkpoint import (
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.data import prepare_loader
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, Preempted
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, unwrap
+from ddpkit.preemption import StopVote, saving_on_signal
 from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
@@ -187,6 +188,7 @@ class Trainer:
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
         self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
+        self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
         self.last_checkpoint: Path | None = None
         # Shards of unequal length are possible only with a sampler or dataset that is
         # not ours; then the ranks agree on every step (see _agreed_groups).
@@ -206,7 +208,9 @@ class Trainer:
         """Train (or, with `config.resume`, continue) to `config.epochs`. Call on every rank.
 
         While it runs, the job holds the lock of `config.checkpoint_dir`: a second job
-        given the same folder stops with an error naming this one.
+        given the same folder stops with an error naming this one. With that folder, a
+        stop signal (SIGTERM, SIGUSR1, Ctrl-C) to any rank or to `launch` makes every
+        rank save after the same step and raise `Preempted` (`config.on_signal`).
         """
         lock = (
             None
@@ -228,6 +232,13 @@ class Trainer:
             self._started = True
             if cfg.resume:
                 self._resume()  # restores every rank's own stream as it was saved
+            if cfg.checkpoint_dir and cfg.on_signal == "save":
+                self._vote = StopVote(self.ctx)
+        with saving_on_signal() if self._vote else _NOTHING:
+            return self._epochs()
+
+    def _epochs(self) -> FitResult:
+        cfg = self.config
         runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
         self._call("on_fit_start")
         samples, train_time, loss = 0, 0.0, math.nan
@@ -260,6 +271,8 @@ class Trainer:
                     self.save()
                 if self.should_stop:
                     break
+            if self._vote is not None:
+                self._vote.close()
         finally:
             runlog.close()
         result = FitResult(
@@ -327,6 +340,9 @@ class Trainer:
                 self.batch = position  # where a checkpoint written now resumes
                 self._optimizer_step(window)
                 self._after_step(window, runlog, epoch)
+                signum = self._vote.step() if self._vote is not None else 0
+                if signum:  # every rank, after this same step
+                    raise Preempted(self.save(), self.global_step, signum)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - start

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import __version__
-from ddpkit.errors import DdpkitError, HangError, WorkerError
+from ddpkit.errors import PREEMPTED_EXIT, DdpkitError, HangError, Preempted, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +107,9 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         print(f"ddpkit: error: {exc}", file=sys.stderr)
         return 1
+    except Preempted as exc:
+        print(f"ddpkit: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT
     except DdpkitError as exc:
         # Our own errors already name the fix: one line, no traceback.
         print(f"ddpkit: error: {exc}", file=sys.stderr)

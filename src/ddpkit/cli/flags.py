@@ -30,7 +30,10 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     job.add_argument(
         "--job",
         metavar="MODULE:FUNCTION",
-        help="your job: FUNCTION(ctx) returns a ddpkit.Job (also path/to/file.py:FUNCTION)",
+        help=(
+            "your job: FUNCTION(ctx) or FUNCTION(ctx, config) returns a ddpkit.Job "
+            "(also path/to/file.py:FUNCTION)"
+        ),
     )
     p.add_argument("--config", metavar="FILE.toml", help="TrainConfig options from a TOML file")
 

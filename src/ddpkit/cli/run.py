@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import stat
+import sys
 from pathlib import Path
 from typing import Any
 
 from ddpkit.cli.flags import add_oversubscribe_flag, check_processes
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.errors import ConfigError
+from ddpkit.slurm import slurm_step
 
 HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
 
@@ -31,10 +34,21 @@ def add_parser(sub: Any) -> None:
         default="auto",
         help="processes on this machine: auto = one per GPU, else one per CPU core",
     )
-    p.add_argument("--nnodes", type=int, default=1, help="machines in the job (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
-    p.add_argument("--master-addr", help="address of node 0 (needed with --nnodes > 1)")
-    p.add_argument("--master-port", type=int, default=29500, help="port on node 0 (default 29500)")
+    p.add_argument(
+        "--nnodes", type=int, help="machines in the job (default 1; under srun: the step's)"
+    )
+    p.add_argument(
+        "--node-rank", type=int, help="this machine's index, 0..nnodes-1 (under srun: its own)"
+    )
+    p.add_argument(
+        "--master-addr",
+        help="address of node 0 (needed with --nnodes > 1; under srun: the first node)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        help="port on node 0 (default 29500; under srun: one from the job id)",
+    )
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -64,8 +78,11 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddpkit.agent import AgentOptions, run_script
 
+    from ddpkit.launcher import exit_now
+
+    _fill_from_slurm(args)
     command, nproc = _validate(args)
-    return run_script(
+    code = run_script(
         AgentOptions(
             command=command,
             nproc=nproc,
@@ -78,6 +95,27 @@ def run(args: argparse.Namespace) -> int:
             rdzv_timeout=args.rdzv_timeout,
         )
     )
+    # No interpreter shutdown, as for the workers: torch's threads (the store client
+    # of the hang watch on several nodes) can turn it into an abort after a clean run.
+    exit_now(code)
+
+
+def _fill_from_slurm(args: argparse.Namespace) -> None:
+    """Flags not given take srun's values under SLURM, else their defaults."""
+    step = slurm_step(os.environ)
+    if step is not None and args.nnodes is None and step.nnodes > 1:
+        args.nnodes, args.node_rank = step.nnodes, step.node_rank
+        args.master_addr = args.master_addr or step.master_addr
+        args.master_port = args.master_port or step.master_port
+        print(
+            f"ddpkit: SLURM job {os.environ['SLURM_JOB_ID']}: node {step.node_rank} of "
+            f"{step.nnodes}, rendezvous at {args.master_addr}:{args.master_port}",
+            file=sys.stderr,
+            flush=True,
+        )
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    args.master_port = 29500 if args.master_port is None else args.master_port
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[str], int]:

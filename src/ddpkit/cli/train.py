@@ -11,6 +11,8 @@ import json
 import logging
 import math
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,8 @@ from ddpkit.cli.flags import (
     job_and_config,
 )
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
-from ddpkit.errors import ConfigError
+from ddpkit.errors import PREEMPTED_EXIT, ConfigError, Preempted
+from ddpkit.preemption import DEFAULT_SIGNAL_GRACE
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
@@ -47,6 +50,14 @@ def add_parser(sub: Any) -> None:
         default=DEFAULT_HANG_TIMEOUT,
         help="stop and diagnose the job when no rank progresses this long "
         f"(default {DEFAULT_HANG_TIMEOUT:.0f}; 0: off)",
+    )
+    p.add_argument(
+        "--signal-grace",
+        type=float,
+        default=DEFAULT_SIGNAL_GRACE,
+        metavar="S",
+        help="after SIGTERM, SIGUSR1 or Ctrl-C, seconds the ranks get to save a checkpoint "
+        f"before they are stopped regardless (default {DEFAULT_SIGNAL_GRACE:.0f})",
     )
     p.add_argument(
         "--json", action="store_true", help="print the result as one JSON object on the last line"
@@ -76,14 +87,22 @@ def run(args: argparse.Namespace) -> int:
         check_writable(config.checkpoint_dir)
         if config.resume:  # raises if none loads; the workers say what they skip
             find_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
-    result = launch(
-        train_worker,
-        job_name,
-        config,
-        nprocs=nproc,
-        backend=backend,  # type: ignore[arg-type]
-        hang_timeout=args.hang_timeout,
-    )
+    try:
+        result = launch(
+            train_worker,
+            job_name,
+            config,
+            nprocs=nproc,
+            backend=backend,  # type: ignore[arg-type]
+            hang_timeout=args.hang_timeout,
+            signal_grace=args.signal_grace,
+        )
+    except Preempted as exc:
+        if under_torchrun():
+            raise  # each rank ran in place: `ddpkit run` says it once, for the job
+        again = [*sys.argv[1:], *([] if config.resume else ["--resume"])]
+        print(f"ddpkit: {exc}\nddpkit: to continue: ddpkit {shlex.join(again)}", file=sys.stderr)
+        return PREEMPTED_EXIT
     if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
         if os.environ["RANK"] != "0":
             return 0

@@ -45,7 +45,8 @@ def _store_publisher(rank: int) -> Callable[[dict[str, Any]], None] | None:
 
 
 def main() -> None:
-    from ddpkit.diagnosis.watchdog import Watchdog, record_error
+    from ddpkit.diagnosis.watchdog import Watchdog, record_error, write_json
+    from ddpkit.errors import PREEMPTED_EXIT, Preempted
     from ddpkit.launcher import die_with_parent, exit_now
 
     # Never outlive the agent, even if it is killed with SIGKILL.
@@ -69,6 +70,10 @@ def main() -> None:
         else:
             sys.path[0] = str(Path(target).resolve().parent)  # as `python SCRIPT` sets it
             runpy.run_path(target, run_name="__main__")
+    except Preempted as exc:  # saved after a stop signal: the agent tells the user
+        code = PREEMPTED_EXIT
+        if folder is not None:
+            write_json(folder / f"rank{rank}.preempted.json", {"message": str(exc)})
     except SystemExit as exc:
         if exc.code not in (0, None):
             if isinstance(exc.code, str):

@@ -318,11 +318,13 @@ def _reference_rank(
     atol: float,
     rtol: float,
 ) -> dict[str, Any]:
-    built, _ = build(ctx, job, config, dtype)
+    # Loading files needs no worker processes, and draws no random numbers. The job is
+    # built with the config it runs with: a build(ctx, config) may size its schedule
+    # from the batch size.
+    single = replace(config, batch_size=config.batch_size * nproc, num_workers=0)
+    built, _ = build(ctx, job, single, dtype)
     built.train_set = promote_data(Replay(Path(folder, "samples"), keys), dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
-    # Loading files needs no worker processes, and draws no random numbers.
-    single = replace(config, batch_size=config.batch_size * nproc, num_workers=0)
     fit(make_trainer(ctx, built, single, [compare], sampler=ReplaySampler(keys)))
     return {
         "first": compare.first,

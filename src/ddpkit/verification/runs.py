@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
+from ddpkit.batches import map_tensors
 from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
@@ -108,13 +109,7 @@ class _Float64(Dataset[Any]):
 
 
 def _promote(item: Any) -> Any:
-    if isinstance(item, torch.Tensor):
-        return item.double() if item.is_floating_point() else item
-    if isinstance(item, (tuple, list)):
-        return type(item)(_promote(x) for x in item)
-    if isinstance(item, dict):
-        return {k: _promote(v) for k, v in item.items()}
-    return item
+    return map_tensors(item, lambda t: t.double() if t.is_floating_point() else t)
 
 
 def silent(_: str) -> None:

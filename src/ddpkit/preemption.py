@@ -1,0 +1,184 @@
+"""Stop to be resumed: a stop signal (SIGTERM, SIGUSR1, or Ctrl-C) makes every rank
+agree on one optimizer step after which they checkpoint together and exit.
+
+Clusters stop jobs with a signal and a grace period before SIGKILL (SLURM's
+`--signal=USR1@90`, Kubernetes' SIGTERM). A rank records the signal instead of dying,
+provided a loop that can save is running (`saving_on_signal`); otherwise, and on a
+second signal, it stops at once as before. The ranks learn about a signal that reached
+any of them through `StopVote`, one small all-reduce per step that is waited for one
+step later, so it costs no wait of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:  # the CLI reads the constants here without loading torch
+    import torch
+
+    from ddpkit.context import DistContext
+
+# The signals that ask a job to save and stop.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Seconds the ranks get to save after a signal before they are stopped regardless.
+DEFAULT_SIGNAL_GRACE = 60.0
+
+
+@dataclass
+class _Flag:
+    """What this process's signal handler recorded (signals are per process)."""
+
+    signum: int = 0  # the first stop signal received, 0 if none
+    listeners: int = 0  # loops running that save on a signal
+
+
+_FLAG = _Flag()
+
+
+def requested() -> int:
+    """The stop signal this process received while a saving loop ran (0: none)."""
+    return _FLAG.signum
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _FLAG.listeners and not _FLAG.signum:
+        _FLAG.signum = signum  # the loop saves after the step the ranks agree on
+        if signum == signal.SIGINT:
+            print(
+                "ddpkit: saving a checkpoint after this step, then stopping "
+                "(press Ctrl-C again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    if _FLAG.listeners and signum != signal.SIGINT:
+        return  # the same stop again (SLURM signals every process): the save goes on
+    # Nothing here can save, or a second Ctrl-C: stop now. Raising lets `finally`
+    # blocks release the process group and the workers on the way out.
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def install_handlers(
+    signals: tuple[int, ...] = STOP_SIGNALS, handler: Callable[[int, Any], None] | None = None
+) -> dict[int, Any]:
+    """Route `signals` to `handler` (default: record a stop for the saving loop, see
+    `saving_on_signal`); returns the previous handlers, for `restore_handlers`. Does
+    nothing outside the main thread, where Python cannot handle signals."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler or _on_signal) for s in signals}
+
+
+def restore_handlers(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def saving_on_signal() -> Iterator[None]:
+    """While inside, a stop signal is recorded (see `requested`) instead of stopping
+    this process: the loop inside promises to poll it and save."""
+    _FLAG.listeners += 1
+    try:
+        yield
+    finally:
+        _FLAG.listeners -= 1
+        if not _FLAG.listeners:
+            _FLAG.signum = 0
+
+
+class StopVote:
+    """Whether any rank received a stop signal, decided on every rank after the same step.
+
+    Call `step()` on every rank after every optimizer step. It starts an all-reduce of
+    this rank's signal and waits for the one it started a step earlier, so every rank
+    returns the same answer at the same step, without a wait of its own. It uses a
+    gloo group of its own on GPUs (a CPU tensor needs no device sync)."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        import torch.distributed as dist
+
+        self.ctx = ctx
+        self._group: Any = None
+        if ctx.distributed and ctx.backend != "gloo":
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def step(self) -> int:
+        """The stop signal some rank received (the same on every rank), or 0."""
+        if not self.ctx.distributed:
+            return requested()
+        decided = self._collect()
+        if decided:
+            return decided
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([requested()], dtype=torch.int64)
+        work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, mine)
+        return 0
+
+    def close(self) -> None:
+        """Wait for the last vote (every rank calls this at the same point)."""
+        self._collect()
+
+    def _collect(self) -> int:
+        if self._pending is None:
+            return 0
+        work, value = self._pending
+        self._pending = None
+        work.wait()
+        return int(value.item())
+
+
+class SignalForwarder:
+    """The launcher's side: the first stop signal or Ctrl-C it receives goes on to the
+    workers as SIGTERM, and they get `grace` seconds to save; a second one stops now."""
+
+    def __init__(self, pids: Callable[[], list[int]], grace: float) -> None:
+        self.pids, self.grace = pids, grace
+        self.signum = 0
+        self.deadline: float | None = None  # time.monotonic() by which the ranks must stop
+
+    def install(self) -> dict[int, Any]:
+        """Handle the stop signals and Ctrl-C; returns the previous handlers."""
+        return install_handlers((*STOP_SIGNALS, signal.SIGINT), self._handle)
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def stop_now(self) -> NoReturn:
+        """Leave as the signal would have: KeyboardInterrupt or SystemExit(128 + n)."""
+        if self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + self.signum)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum:  # asked twice: stop at once (a save under way leaves no file)
+            self.signum = signum
+            for pid in self.pids():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            self.stop_now()
+        self.signum, self.deadline = signum, time.monotonic() + self.grace
+        if signum == signal.SIGINT:
+            print(
+                "ddpkit: stopping; a job with a checkpoint folder saves first "
+                "(press Ctrl-C again to stop at once)",
+                file=sys.stderr,
+                flush=True,
+            )
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
