@@ -223,3 +223,54 @@ def test_ctrl_c_saves_and_says_how_to_continue_and_twice_stops_at_once(tmp_path:
                 in err
             )
         assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+class _StuckAfterTheSignal(ddpkit.Callback):
+    """A rank that never reaches its save once a stop signal has come."""
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        from ddpkit.preemption import requested
+
+        if requested():
+            time.sleep(600)
+
+
+def _fit_stuck(ctx: DistContext, folder: str) -> None:
+    ddpkit.seed_everything(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(4096, 4)
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
+        ctx,
+        TrainConfig(epochs=1000, batch_size=8, checkpoint_dir=folder, progress=False),
+        loss_fn=nn.functional.mse_loss,
+        callbacks=[_StuckAfterTheSignal()],
+        log_fn=lambda s: None,
+    ).fit()
+
+
+@pytest.mark.slow
+def test_ranks_that_cannot_save_within_the_grace_are_stopped_and_the_last_checkpoint_stays(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    def signal_once_saved() -> None:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("ckpt-*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)  # to the launcher: this process
+
+    threading.Thread(target=signal_once_saved, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        launch(_fit_stuck, str(tmp_path), nprocs=2, signal_grace=2)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert time.monotonic() - start < 120
+    assert "did not save and stop within 2 s" in capfd.readouterr().err
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != "ddpkit.lock")
+    assert names and all(n.startswith("ckpt-") and n.endswith(".pt") for n in names), names
+    for name in names:  # the epoch checkpoints are whole; nothing half-written is left
+        torch.load(tmp_path / name, weights_only=True)
