@@ -45,14 +45,16 @@ def _workers(parent: int) -> list[int]:
     return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
-def _interrupt(folder: Path, rng: random.Random, to_worker: bool) -> int:
-    """Start the job, SIGTERM it (or one worker) at a random moment of training, and
-    return its exit status once every process of it is gone."""
+def _interrupt(folder: Path, rng: random.Random, target: str) -> int:
+    """Start the job, SIGTERM its launcher, one worker or every process (as SLURM does)
+    at a random moment of training, and return its exit status once every process of
+    it is gone."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", *SEED_JOB, "--checkpoint-dir", str(folder)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # a process group of its own, for "every process"
     )
     assert proc.stdout is not None
     first = proc.stdout.readline()  # the first epoch line: training has started
@@ -60,9 +62,11 @@ def _interrupt(folder: Path, rng: random.Random, to_worker: bool) -> int:
     workers = _workers(proc.pid)
     assert len(workers) == 2
     time.sleep(rng.uniform(0.0, 2.5))  # the job trains for about 2.5 s more
-    target = rng.choice(workers) if to_worker else proc.pid
     with contextlib.suppress(ProcessLookupError):  # it may have finished
-        os.kill(target, signal.SIGTERM)
+        if target == "every-process":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(rng.choice(workers) if target == "one-worker" else proc.pid, signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert wait_gone(workers) == [], "orphan worker"
     if proc.returncode == PREEMPTED_EXIT:
@@ -72,15 +76,17 @@ def _interrupt(folder: Path, rng: random.Random, to_worker: bool) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # ten interrupted runs and ten resumed ones
-@pytest.mark.parametrize("to_worker", [False, True], ids=["launcher", "one-worker"])
+@pytest.mark.parametrize(
+    ("target", "trials"), [("launcher", TRIALS), ("one-worker", TRIALS), ("every-process", 3)]
+)
 def test_sigterm_at_random_moments_resumes_to_the_uninterrupted_model(
-    straight: str, tmp_path: Path, to_worker: bool
+    straight: str, tmp_path: Path, target: str, trials: int
 ) -> None:
-    rng = random.Random(1 + to_worker)
+    rng = random.Random(target)
     codes = []
-    for trial in range(TRIALS):
+    for trial in range(trials):
         folder = tmp_path / f"trial{trial}"
-        codes.append(_interrupt(folder, rng, to_worker))
+        codes.append(_interrupt(folder, rng, target))
         names = [p.name for p in folder.iterdir()] if folder.exists() else []
         assert all(n.startswith("ckpt-") and n.endswith(".pt") for n in names if n != "ddpkit.lock")
         for name in names:
@@ -88,11 +94,11 @@ def test_sigterm_at_random_moments_resumes_to_the_uninterrupted_model(
                 torch.load(folder / name, weights_only=True)
         resumed = run_cli(*SEED_JOB, "--checkpoint-dir", str(folder), "--resume")
         assert _digest(resumed) == straight, (trial, codes)
-    # 0: the signal came after the last step; 143 (1 for a worker): before the ranks
+    # 0: the signal came after the last step; 143 (1 for a worker alone): before the ranks
     # listened, or after; -15: in the last moments of the interpreter's exit, which
     # restores the default handlers. Whatever the moment, the resume above matched.
-    assert set(codes) <= {0, PREEMPTED_EXIT, 1 if to_worker else 143, -signal.SIGTERM}, codes
-    assert codes.count(PREEMPTED_EXIT) >= TRIALS // 2, codes  # most stopped mid-training
+    assert set(codes) <= {0, PREEMPTED_EXIT, 1, 143, -signal.SIGTERM}, codes
+    assert codes.count(PREEMPTED_EXIT) >= trials // 2, codes  # most stopped mid-training
 
 
 # -- in Python: launch() raises Preempted ----------------------------------------------
