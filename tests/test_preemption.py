@@ -285,3 +285,22 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         launch(_fit_stuck, str(tmp_path), nprocs=2)  # signal_grace: the default 60 s
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_the_sbatch_command_saves_on_usr1_and_its_requeued_run_resumes(
+    straight: str, tmp_path: Path
+) -> None:
+    # docs/slurm/train.sbatch runs `ddpkit run -m ddpkit train ... --resume` each time.
+    train = [*SEED_JOB, "--checkpoint-dir", str(tmp_path), "--resume"]
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "-m", "ddpkit", *train]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("no checkpoint in")  # the first run
+    assert proc.stdout.readline().startswith("epoch 1/")
+    os.kill(proc.pid, signal.SIGUSR1)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT, err
+    assert err.count("ddpkit: stopped by SIGTERM after step") == 1, err  # said once
+    requeued = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert _digest(requeued) == straight

@@ -46,7 +46,7 @@ from ddpkit.diagnosis.report import (  # noqa: E402
     read_reports,
     status_key,
 )
-from ddpkit.errors import PREEMPTED_EXIT, ConfigError  # noqa: E402
+from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
 from ddpkit.launcher import serve_store, threads_per_rank  # noqa: E402
 from ddpkit.scratch import scratch_dir  # noqa: E402
 
@@ -95,7 +95,7 @@ def run_script(opts: AgentOptions) -> int:
     status = scratch_dir("run")
     env = {
         **_thread_env(opts.nproc),
-        "DDPKIT_STATUS_DIR": str(status),
+        RUN_WORKER: str(status),
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_timeout),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
@@ -118,7 +118,9 @@ def run_script(opts: AgentOptions) -> int:
         *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
         *("--log-dir", str(status / "torchelastic")),  # else torch leaves one in $TMPDIR
         *(["--local-addr", "127.0.0.1"] if local else []),
-        *("--module", "ddpkit.diagnosis.shim", *opts.command),
+        # "--": what follows is the workers' command, never torchrun's options (argparse
+        # would take an abbreviation such as --nproc in it for one of its own).
+        *("--module", "--", "ddpkit.diagnosis.shim", *opts.command),
     ]
     try:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)

@@ -9,6 +9,8 @@ from typing import Any
 # The exit status of a job that stopped on a signal after saving, to be resumed
 # (sysexits' EX_TEMPFAIL: "try again later").
 PREEMPTED_EXIT = 75
+# Set in the workers of `ddpkit run` (the folder their reports go to).
+RUN_WORKER = "DDPKIT_STATUS_DIR"
 
 
 class DdpkitError(Exception):

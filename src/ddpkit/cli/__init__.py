@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ddpkit import __version__
-from ddpkit.errors import PREEMPTED_EXIT, DdpkitError, HangError, Preempted, WorkerError
+from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, DdpkitError, HangError, Preempted, WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +108,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ddpkit: error: {exc}", file=sys.stderr)
         return 1
     except Preempted as exc:
+        if RUN_WORKER in os.environ:
+            raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
         print(f"ddpkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT
     except DdpkitError as exc:

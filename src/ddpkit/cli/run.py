@@ -77,7 +77,6 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddpkit.agent import AgentOptions, run_script
-
     from ddpkit.launcher import exit_now
 
     _fill_from_slurm(args)

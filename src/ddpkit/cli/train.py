@@ -24,7 +24,7 @@ from ddpkit.cli.flags import (
     job_and_config,
 )
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
-from ddpkit.errors import PREEMPTED_EXIT, ConfigError, Preempted
+from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, Preempted
 from ddpkit.preemption import DEFAULT_SIGNAL_GRACE
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
             signal_grace=args.signal_grace,
         )
     except Preempted as exc:
-        if under_torchrun():
-            raise  # each rank ran in place: `ddpkit run` says it once, for the job
+        if RUN_WORKER in os.environ:
+            raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
         again = [*sys.argv[1:], *([] if config.resume else ["--resume"])]
         print(f"ddpkit: {exc}\nddpkit: to continue: ddpkit {shlex.join(again)}", file=sys.stderr)
         return PREEMPTED_EXIT

@@ -17,9 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ddpkit.errors import RUN_WORKER
+
 
 def _status_folder() -> Path | None:
-    root = os.environ.get("DDPKIT_STATUS_DIR")
+    root = os.environ.get(RUN_WORKER)
     if not root:
         return None
     # Each restart of the job by the elastic agent reports into a folder of its own.
