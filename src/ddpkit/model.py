@@ -4,12 +4,14 @@ wrap it in DistributedDataParallel, in the right order."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
+from ddpkit.errors import ConfigError
 
 log = logging.getLogger("ddpkit")
 
@@ -24,8 +26,11 @@ def prepare_model(
     gradient_as_bucket_view: bool = True,
     bucket_cap_mb: float | None = None,
     broadcast_buffers: bool = True,
+    strategy: str = "ddp",
+    fsdp: dict[str, Any] | None = None,
 ) -> nn.Module:
-    """Put `model` on this rank's device and, with more than one rank, wrap it in DDP.
+    """Put `model` on this rank's device and, with more than one rank, wrap it in DDP
+    (or shard it with FSDP2, `strategy="fsdp"`).
 
     Call it on every rank, after building the model and before building the
     optimizer's parameter list from it is fine too (the parameters stay the same
@@ -44,6 +49,12 @@ def prepare_model(
             gradient-sized copy).
         bucket_cap_mb: DDP's bucket size in MiB (None: DDP's default).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        strategy: "ddp" replicates the model on every rank; "fsdp" shards its
+            parameters, gradients and optimizer state over the ranks (`ddpkit.fsdp`),
+            for models that do not fit on one device. With "fsdp", build the optimizer
+            after this call, on the returned model's parameters.
+        fsdp: options of `ddpkit.fsdp.shard_model` (`blocks`, `min_params`,
+            `precision`, `offload`, `reshard_after_forward`).
 
     Returns:
         The model to train: DDP-wrapped with several ranks, the moved model with one.
@@ -63,6 +74,12 @@ def prepare_model(
                 "(statistics over the global batch; sync_batchnorm=False turns this off)",
                 converted,
             )
+    if strategy == "fsdp":
+        from ddpkit.fsdp import shard_model
+
+        return shard_model(model, ctx, **(fsdp or {}))
+    if strategy != "ddp":
+        raise ConfigError(f"strategy must be 'ddp' or 'fsdp' (got {strategy!r})")
     on_gpu = ctx.device.type == "cuda"
     kwargs: dict[str, object] = {}
     if bucket_cap_mb is not None:

@@ -1,0 +1,121 @@
+"""Sharded data parallelism (FSDP2, `torch.distributed.fsdp.fully_shard`) for models whose
+parameters, gradients and optimizer state do not fit on one device when replicated.
+
+Each rank keeps 1/N of every sharded parameter (a DTensor); a block's full parameters
+are gathered just before its forward (and backward) and freed after. Blocks are the
+units that gather together: by default every module that directly holds at least
+`min_params` parameters of its own subtree and is not inside another such block,
+found from the leaves up, then the root for what is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ddpkit.context import DistContext
+from ddpkit.errors import ConfigError
+
+# A block holds at least this many parameters by default: smaller ones would gather
+# in messages too small to keep the network busy.
+DEFAULT_MIN_PARAMS = 1_000_000
+
+PRECISION_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def shard_model(
+    model: nn.Module,
+    ctx: DistContext,
+    *,
+    blocks: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+    min_params: int = DEFAULT_MIN_PARAMS,
+    precision: str = "32",
+    offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply `fully_shard` to the blocks of `model`, then to `model` itself.
+
+    Args:
+        model: the bare model, on this rank's device.
+        ctx: this rank's `DistContext`.
+        blocks: which modules are blocks: module classes (`[TransformerBlock]`), or a
+            function `module -> bool`; None picks them by size (`min_params`).
+        min_params: with `blocks=None`, the parameters a block holds at least.
+        precision: "32", or "bf16"/"fp16": parameters are gathered and computed in that
+            dtype, gradients reduced in float32, and the sharded master copy stays
+            float32.
+        offload: keep the sharded parameters and optimizer state in CPU memory.
+        reshard_after_forward: free a block's gathered parameters after its forward
+            (less memory; gathered again for the backward).
+
+    Returns:
+        The model, its parameters replaced by sharded ones: build the optimizer on
+        `model.parameters()` after this call.
+    """
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    if precision not in PRECISION_DTYPES:
+        raise ConfigError(f"precision must be one of 32, bf16, fp16 (got {precision!r})")
+    if min_params < 1:
+        raise ConfigError(f"min_params must be >= 1 (got {min_params})")
+    dtype = PRECISION_DTYPES[precision]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    for module in [*_blocks(model, blocks, min_params), model]:
+        fully_shard(
+            module,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp,
+            offload_policy=offload_policy,
+        )
+    return model
+
+
+def _blocks(
+    model: nn.Module,
+    blocks: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None,
+    min_params: int,
+) -> list[nn.Module]:
+    """The modules to shard on their own, innermost first, never the root."""
+    if blocks is None:
+        return _by_size(model, min_params)
+    if callable(blocks) and not isinstance(blocks, type):
+        chosen = blocks
+    else:
+        classes = tuple(blocks) if not isinstance(blocks, type) else (blocks,)
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            raise ConfigError(
+                "blocks must be nn.Module classes or a function module -> bool "
+                f"(got {blocks!r}): pass blocks=[MyBlock]"
+            )
+        chosen = lambda m: isinstance(m, classes)  # noqa: E731
+    # modules() is outer first: reversed, inner blocks are sharded before their parents.
+    return [m for m in reversed(list(model.modules())) if m is not model and chosen(m)]
+
+
+def _by_size(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """From the leaves up: a module whose not-yet-claimed parameters reach `min_params`
+    becomes a block, and claims them."""
+    claimed: set[int] = set()
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> int:
+        """Unclaimed parameters under `module` (after its children had their turn)."""
+        free = sum(visit(child) for child in module.children())
+        own = sum(p.numel() for p in module.parameters(recurse=False) if id(p) not in claimed)
+        free += own
+        if module is not model and free >= min_params:
+            found.append(module)
+            claimed.update(id(p) for p in module.parameters())
+            return 0
+        return free
+
+    visit(model)
+    return found
