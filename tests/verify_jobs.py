@@ -121,6 +121,7 @@ class _StepScheduler(ddpkit.Callback):
 
 def hidden_scheduler(ctx: ddpkit.DistContext) -> ddpkit.Job:
     job = _job(ctx, nn.Linear(20, 1))
+    assert isinstance(job.optimizer, torch.optim.Optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=2, gamma=0.5)
     job.callbacks = [_StepScheduler(scheduler)]
     return job

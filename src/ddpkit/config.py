@@ -94,6 +94,12 @@ class TrainConfig:
         "epoch", "step the LR scheduler per 'epoch' or per 'step'", example="step"
     )
     """When the learning-rate scheduler steps: after each "epoch" or each optimizer "step"."""
+    strategy: Literal["ddp", "fsdp"] = _opt(
+        "ddp", "ddp (replicate the model) or fsdp (shard it over the ranks)", example="fsdp"
+    )
+    """"ddp" keeps a whole copy of the model on every rank; "fsdp" shards parameters,
+    gradients and optimizer state over the ranks (FSDP2), for models that do not fit
+    on one device; the job's optimizer (and scheduler) must then be factories."""
     on_signal: Literal["save", "stop"] = _opt(
         "save",
         "on SIGTERM, SIGUSR1 or Ctrl-C: 'save' a checkpoint first, or 'stop'",

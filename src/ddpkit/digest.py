@@ -16,6 +16,9 @@ from ddpkit.model import unwrap
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    full = getattr(tensor, "full_tensor", None)  # a shard of FSDP: gather it (collective)
+    if callable(full):
+        tensor = full()
     return bytes(tensor.detach().cpu().contiguous().clone().untyped_storage())
 
 
@@ -28,7 +31,8 @@ def model_digest(model: nn.Module) -> str:
     """sha256 over the unwrapped state dict's names and tensor bytes, in key order.
 
     Two models whose digests match have bit-for-bit the same parameters and buffers,
-    whether or not they are wrapped in DDP or `torch.compile`.
+    whether or not they are wrapped in DDP or `torch.compile`. A model sharded with
+    FSDP is gathered first: call it on every rank then.
     """
     h = hashlib.sha256()
     for key, tensor in unwrap(model).state_dict().items():

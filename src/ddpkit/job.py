@@ -22,7 +22,7 @@ from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.seed import seed_everything
-from ddpkit.trainer import Trainer
+from ddpkit.trainer import OptimizerFactory, SchedulerFactory, Trainer
 
 EXAMPLES = ("digits", "seed")
 
@@ -36,12 +36,14 @@ class Job:
     """
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    # An optimizer on the bare model's parameters, or a factory `params -> optimizer`
+    # (needed with strategy "fsdp", which replaces the parameters).
+    optimizer: torch.optim.Optimizer | OptimizerFactory
     train_set: Dataset[Any]
     # For (inputs, targets) batches; dict batches use the model's own loss.
     loss_fn: LossFn = nn.functional.cross_entropy
     eval_set: Dataset[Any] | None = None
-    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None
     # A sampler that shards by itself (ranks may get unequal numbers of batches).
     train_sampler: Sampler[Any] | None = None
     callbacks: list[Callback] = field(default_factory=list)

@@ -18,6 +18,8 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -55,6 +57,9 @@ log = logging.getLogger("ddpkit")
 # Autocast dtype of each TrainConfig.precision.
 # Steps enter a few contexts that are mostly no-ops: share one instead of making many.
 _NOTHING = contextlib.nullcontext()
+# Built on the parameters of the prepared model (needed with strategy "fsdp").
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 AMP_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -117,7 +122,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | OptimizerFactory,
         train_set: Dataset[Any],
         ctx: DistContext,
         config: TrainConfig | None = None,
@@ -127,26 +132,45 @@ class Trainer:
         training_step: StepFn | None = None,
         metrics_fn: MetricsFn | None = None,
         eval_set: Dataset[Any] | None = None,
-        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
         train_sampler: Sampler[Any] | None = None,
         callbacks: Sequence[Callback] = (),
         log_fn: Callable[[str], None] | None = None,
     ) -> None:
         self.ctx = ctx
         self.config = config = config or TrainConfig()
+        sharded = config.strategy == "fsdp" and ctx.distributed
+        if sharded and isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                "strategy fsdp replaces the model's parameters, so the optimizer must be "
+                "built after sharding: pass optimizer=lambda params: torch.optim.AdamW("
+                "params, lr=3e-4) (and a scheduler as lambda opt: ...)"
+            )
+        if sharded and config.checkpoint_dir is not None:  # WIP (issue 18): DCP checkpoints
+            raise ConfigError(
+                "strategy fsdp cannot write checkpoints yet: drop --checkpoint-dir, or use "
+                "--strategy ddp"
+            )
         self.model = prepare_model(
             model,
             ctx,
             sync_batchnorm=config.sync_batchnorm,
             find_unused_parameters=config.find_unused_parameters,
+            strategy=config.strategy,
+            fsdp={"precision": config.precision},
         )
         if config.compile:
             # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
             # bucket boundaries, so communication still overlaps the backward pass.
             self.model = cast(nn.Module, torch.compile(self.model))
         self._ddp = find_ddp(self.model)
+        self._sharded = self.model if isinstance(self.model, FSDPModule) else None
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(self.model.parameters())
         self.optimizer = optimizer
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        if scheduler is not None and not isinstance(scheduler, LRScheduler):
+            scheduler = scheduler(optimizer)
         self.scheduler = scheduler
         self.loss_fn = loss_fn
         self.training_step = training_step
@@ -576,8 +600,12 @@ class Trainer:
         loss.backward()  # type: ignore[no-untyped-call]  # DDP averages gradients here
 
     def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager[Any]:
-        """DDP's no_sync on all micro-batches of a group but the last: one all-reduce
-        per optimizer step instead of one per micro-batch."""
+        """DDP's no_sync (FSDP's gradient sync switched off) on all micro-batches of a
+        group but the last: one reduction per optimizer step instead of one per
+        micro-batch."""
+        if self._sharded is not None:
+            self._sharded.set_requires_gradient_sync(not skip)
+            return _NOTHING
         return self._ddp.no_sync() if skip and self._ddp is not None else _NOTHING
 
     def _lr(self) -> float:

@@ -51,7 +51,9 @@ def build(ctx: DistContext) -> Job:
     train, test = datasets()
     return Job(
         model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=3e-3),
+        # A factory: built on the parameters of the prepared model, so that the job
+        # also runs sharded (--strategy fsdp).
+        optimizer=lambda params: torch.optim.Adam(params, lr=3e-3),
         train_set=train,
         eval_set=test,
         loss_fn=nn.functional.cross_entropy,
