@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit import sharded
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
 from ddpkit.model import strip_prefixes, unwrap
@@ -50,10 +52,10 @@ from ddpkit.storage import (
 log = logging.getLogger("ddpkit")
 
 FORMAT = "ddpkit-checkpoint/1"
-_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_NAME = re.compile(r"^ckpt-(\d+)\.(?:pt|dcp)$")  # a file, or a sharded folder
 # A temporary file names its writer (`.ckpt-<step>.pt.<pid>@<host>.<random>.tmp`), so that
 # clearing the ones of crashed saves never deletes one that another process is writing.
-_TEMP = re.compile(r"^\.ckpt-\d+\.pt\.(?:(\d+)@([\w-]*)\.)?\w+\.tmp$")
+_TEMP = re.compile(r"^\.ckpt-\d+\.(?:pt|dcp)\.(?:(\d+)@([\w-]*)\.)?\w+\.tmp$")
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -185,7 +187,7 @@ def _clear_temporaries(folder: Path) -> None:
                 locked = holds_lock(folder)
             crashed = locked
         if crashed:
-            tmp.unlink(missing_ok=True)
+            _remove(tmp)
 
 
 def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any]:
@@ -204,6 +206,7 @@ def save_checkpoint(
     *,
     step: int,
     keep_last: int | None = 3,
+    shards: dict[str, Any] | None = None,
 ) -> Path:
     """Save a training state as `directory/ckpt-<step, 9 digits>.pt`. Call it on EVERY rank.
 
@@ -219,11 +222,16 @@ def save_checkpoint(
         ctx: this rank's `DistContext`.
         step: the number in the file name (an optimizer step or an epoch).
         keep_last: keep only the newest this many checkpoints (None: keep all).
+        shards: tensors that every rank writes its own part of (a sharded model's and
+            optimizer's state, from `sharded.tensors_of`): the checkpoint is then the
+            folder `ckpt-<step>.dcp` (see `ddpkit.sharded`).
 
     Returns:
         The path of the checkpoint written.
     """
     rngs = _gather_to_main(rng_state(), ctx)
+    if shards is not None:
+        return _save_sharded(state, shards, rngs, Path(directory), ctx, step, keep_last)
     path = checkpoint_path(directory, step)
     # The other ranks wait until rank 0 has written (so nobody reads or deletes a
     # checkpoint still being written), and they stop with rank 0's error if it failed.
@@ -235,11 +243,44 @@ def save_checkpoint(
     return path
 
 
+def _save_sharded(
+    state: dict[str, Any],
+    shards: dict[str, Any],
+    rngs: list[Any],
+    directory: Path,
+    ctx: DistContext,
+    step: int,
+    keep_last: int | None,
+) -> Path:
+    path = checkpoint_path(directory, step).with_suffix(sharded.SUFFIX)
+    if ctx.is_main:
+        directory.mkdir(parents=True, exist_ok=True)
+        _clear_temporaries(directory)
+    tmp = sharded.write_shards(shards, path, ctx)  # every rank its part
+
+    def finish() -> None:
+        try:
+            _write_checkpoint({**state, "sharded": True}, rngs, ctx.world_size, tmp / sharded.META)
+            sharded.publish(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _prune(directory, keep_last)
+
+    _on_rank0(finish, ctx, f"write checkpoint {path}")
+    return path
+
+
 def _write_checkpoint(
-    state: dict[str, Any], rngs: list[Any], world_size: int, path: Path, keep_last: int | None
+    state: dict[str, Any],
+    rngs: list[Any],
+    world_size: int,
+    path: Path,
+    keep_last: int | None = None,
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    _clear_temporaries(path.parent)
+    if not path.parent.name.endswith(".tmp"):  # not inside a sharded checkpoint's folder
+        _clear_temporaries(path.parent)
     payload = {**state, "rng": rngs, "world_size": world_size, "format": FORMAT}
     model = state.get("model")
     if isinstance(model, dict):
@@ -260,9 +301,21 @@ def _write_checkpoint(
             f"{exc.what}; {kept} and no partial file was left: {exc.fix}, or pass "
             "--checkpoint-dir on another disk"
         ) from None
+    _prune(path.parent, keep_last)
+
+
+def _prune(folder: Path, keep_last: int | None) -> None:
     if keep_last is not None:
-        for old in list_checkpoints(path.parent)[:-keep_last]:
-            old.unlink(missing_ok=True)
+        for old in list_checkpoints(folder)[:-keep_last]:
+            _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint file or a sharded checkpoint's folder."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def model_fingerprint(state: dict[str, Any]) -> str:
@@ -390,9 +443,10 @@ _DELETE_IT = "delete it (or move it out of the folder) to resume from the one be
 
 
 def _read_bytes(path: Path) -> bytes:
-    """The bytes of one checkpoint file. One function, so a test can make one rank's
-    read of one file fail or differ (as on a node with a different filesystem)."""
-    return path.read_bytes()
+    """The bytes of one checkpoint file (of a sharded checkpoint: its `meta.pt`). One
+    function, so a test can make one rank's read of one file fail or differ (as on a
+    node with a different filesystem)."""
+    return (path / sharded.META if path.is_dir() else path).read_bytes()
 
 
 def _decode(data: bytes, path: Path, ctx: DistContext) -> dict[str, Any]:
@@ -418,7 +472,7 @@ def _decode(data: bytes, path: Path, ctx: DistContext) -> dict[str, Any]:
         ) from None
     except Exception as exc:
         raise _corrupt(path, type(exc).__name__) from None
-    if not isinstance(state, dict) or "model" not in state:
+    if not isinstance(state, dict) or ("model" not in state and not state.get("sharded")):
         raise _Unreadable(
             f"{path} is not a ddpkit checkpoint (no 'model' entry)",
             f"pass a file written by save_checkpoint, or {_DELETE_IT}",

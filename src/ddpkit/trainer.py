@@ -44,13 +44,14 @@ from ddpkit.checkpoint import (
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.data import prepare_loader
-from ddpkit.errors import ConfigError, Preempted
+from ddpkit.errors import CheckpointError, ConfigError, Preempted
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, unwrap
 from ddpkit.preemption import StopVote, saving_on_signal
 from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
+from ddpkit.sharded import load_shards, tensors_of
 
 log = logging.getLogger("ddpkit")
 
@@ -146,11 +147,6 @@ class Trainer:
                 "built after sharding: pass optimizer=lambda params: torch.optim.AdamW("
                 "params, lr=3e-4) (and a scheduler as lambda opt: ...)"
             )
-        if sharded and config.checkpoint_dir is not None:  # WIP (issue 18): DCP checkpoints
-            raise ConfigError(
-                "strategy fsdp cannot write checkpoints yet: drop --checkpoint-dir, or use "
-                "--strategy ddp"
-            )
         self.model = prepare_model(
             model,
             ctx,
@@ -165,6 +161,9 @@ class Trainer:
             self.model = cast(nn.Module, torch.compile(self.model))
         self._ddp = find_ddp(self.model)
         self._sharded = self.model if isinstance(self.model, FSDPModule) else None
+        # Checkpoints of strategy "fsdp" are sharded on any number of ranks, so that a
+        # run resumes on another number of ranks (one included).
+        self._shards = config.strategy == "fsdp"
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model.parameters())
         self.optimizer = optimizer
@@ -493,11 +492,18 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds (with strategy "fsdp", model and optimizer are
+        written as shards instead: see `save`)."""
         return {
             "model": unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            **self._training_state(),
+        }
+
+    def _training_state(self) -> dict[str, Any]:
+        return {
             # Which model wrote it, to name it when another model is resumed from it.
             "model_class": model_class_name(self.model),
-            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "callbacks": [cb.state_dict() for cb in self.callbacks],
@@ -513,12 +519,17 @@ class Trainer:
         a callback's `on_step_end`: a resumed run then continues with the next batch."""
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
+        if self._shards:  # every rank writes its part of model and optimizer
+            state, shards = self._training_state(), tensors_of(self.model, self.optimizer)
+        else:
+            state, shards = self.state_dict(), None
         self.last_checkpoint = save_checkpoint(
-            self.state_dict(),
+            state,
             self.config.checkpoint_dir,
             self.ctx,
             step=self.global_step,
             keep_last=self.config.keep_last,
+            shards=shards,
         )
         self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
@@ -530,9 +541,17 @@ class Trainer:
             self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
             return
         path, state = found.path, found.state
-        check_same_model(self.model, state, path)  # one line naming both, not a traceback
-        load_model_state(self.model, state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if bool(state.get("sharded")) != self._shards:
+            raise CheckpointError(
+                f"{path} was written with strategy {'fsdp' if state.get('sharded') else 'ddp'}"
+                f" and this run uses {self.config.strategy}: resume with the same --strategy"
+            )
+        if self._shards:  # on any number of ranks: DCP reshards
+            load_shards(path, self.model, self.optimizer)
+        else:
+            check_same_model(self.model, state, path)  # one line naming both
+            load_model_state(self.model, state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         for name, part in (("scheduler", self.scheduler), ("scaler", self.scaler)):
             if part is not None and state.get(name) is not None:
                 part.load_state_dict(state[name])
