@@ -45,7 +45,7 @@ def shard_model(
         min_params: with `blocks=None`, the parameters a block holds at least.
         precision: "32", or "bf16"/"fp16": parameters are gathered and computed in that
             dtype, gradients reduced in float32, and the sharded master copy stays
-            float32.
+            float32 (a model with BatchNorm gathers float32; autocast computes).
         offload: keep the sharded parameters and optimizer state in CPU memory.
         reshard_after_forward: free a block's gathered parameters after its forward
             (less memory; gathered again for the backward).
@@ -66,6 +66,11 @@ def shard_model(
     if min_params < 1:
         raise ConfigError(f"min_params must be >= 1 (got {min_params})")
     dtype = PRECISION_DTYPES[precision]
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        # BatchNorm's running statistics are buffers, which FSDP leaves in float32:
+        # low-precision weights beside them fail. Gather in float32; autocast (Trainer,
+        # Precision) still computes in `precision`.
+        dtype = None
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     for module in [*_blocks(model, blocks, min_params), model]:
