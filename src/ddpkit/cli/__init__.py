@@ -20,7 +20,7 @@ from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, DdpkitError, HangError, Pr
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddpkit.cli import check, info, plot, run, train, verify
+    from ddpkit.cli import check, export, info, plot, run, train, verify
 
     parser = argparse.ArgumentParser(
         prog="ddpkit",
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ddpkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command in (train, run, info, check, plot, verify):
+    for command in (train, run, info, check, plot, verify, export):
         command.add_parser(sub)
     return parser
 
