@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ddpkit.batches import map_tensors
 from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
@@ -40,6 +41,7 @@ from ddpkit.verification.runs import (
     same,
     silent,
     snapshot,
+    whole,
 )
 
 MAX_LISTED = 6  # differences listed per rank
@@ -125,7 +127,8 @@ def _resume_rank(
             continue
         state = {
             "model": snapshot(trainer.model),
-            "optimizer": trainer.optimizer.state_dict(),
+            # Whole tensors, so that the parent compares them without a process group.
+            "optimizer": map_tensors(trainer.optimizer.state_dict(), whole),
             "scheduler": trainer.scheduler.state_dict() if trainer.scheduler else None,
             "callbacks": [cb.state_dict() for cb in built.callbacks],
             "rng": rng_state(),

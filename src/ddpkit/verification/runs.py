@@ -129,8 +129,16 @@ def fit(trainer: Trainer) -> None:
 
 # -- state ------------------------------------------------------------------------------
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy on the CPU of the unwrapped model's state dict."""
-    return {k: v.detach().cpu().clone() for k, v in unwrap(model).state_dict().items()}
+    """A copy on the CPU of the unwrapped model's state dict; a sharded model's shards
+    are gathered (a collective: every rank calls it)."""
+    return {k: whole(v) for k, v in unwrap(model).state_dict().items()}
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the CPU of `tensor`; of a shard (FSDP's DTensor), the whole tensor (a
+    collective)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if callable(full) else tensor).detach().cpu().clone()
 
 
 def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
