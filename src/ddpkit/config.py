@@ -100,6 +100,14 @@ class TrainConfig:
     """"ddp" keeps a whole copy of the model on every rank; "fsdp" shards parameters,
     gradients and optimizer state over the ranks (FSDP2), for models that do not fit
     on one device; the job's optimizer (and scheduler) must then be factories."""
+    fsdp_offload: bool = _opt(False, "with fsdp: keep shards and optimizer state in CPU memory")
+    """With strategy "fsdp": parameters, gradients and optimizer state live in CPU memory
+    between uses (less device memory, slower steps)."""
+    fsdp_reshard_after_forward: bool = _opt(
+        True, "with fsdp: free gathered parameters after each block's forward"
+    )
+    """With strategy "fsdp": free a block's gathered parameters after its forward and
+    gather them again for the backward (less memory); False keeps them (less traffic)."""
     on_signal: Literal["save", "stop"] = _opt(
         "save",
         "on SIGTERM, SIGUSR1 or Ctrl-C: 'save' a checkpoint first, or 'stop'",

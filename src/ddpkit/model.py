@@ -59,6 +59,8 @@ def prepare_model(
     Returns:
         The model to train: DDP-wrapped with several ranks, the moved model with one.
     """
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"strategy must be 'ddp' or 'fsdp' (got {strategy!r})")
     if isinstance(model, DDP):
         raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
     model = model.to(ctx.device)
@@ -78,8 +80,6 @@ def prepare_model(
         from ddpkit.fsdp import shard_model
 
         return shard_model(model, ctx, **(fsdp or {}))
-    if strategy != "ddp":
-        raise ConfigError(f"strategy must be 'ddp' or 'fsdp' (got {strategy!r})")
     on_gpu = ctx.device.type == "cuda"
     kwargs: dict[str, object] = {}
     if bucket_cap_mb is not None:

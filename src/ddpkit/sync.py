@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ddpkit.errors import ConfigError
 from ddpkit.model import find_ddp
@@ -21,8 +22,9 @@ from ddpkit.model import find_ddp
 def no_backward_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Skip DDP's gradient all-reduce for the forward and backward run inside.
 
-    DDP's `no_sync()`, also on a model that has no DDP wrapper (one process, where it
-    does nothing) and under `torch.compile`. Each rank's gradients then add up locally;
+    DDP's `no_sync()` (FSDP's `set_requires_gradient_sync(False)` on a sharded model),
+    also on a model that has no DDP wrapper (one process, where it does nothing) and
+    under `torch.compile`. Each rank's gradients then add up locally;
     the next backward outside it all-reduces the sum. Put the forward inside too: DDP
     decides in the forward whether the backward all-reduces. `enabled=False` makes it
     a no-op, for code that decides at run time::
@@ -30,8 +32,19 @@ def no_backward_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
         with ddpkit.no_backward_sync(model, enabled=not last_micro_batch):
             loss_fn(model(x), y).backward()
     """
+    if not enabled:
+        yield
+        return
+    sharded = getattr(model, "_orig_mod", model)
+    if isinstance(sharded, FSDPModule):  # strategy "fsdp": its own switch
+        sharded.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            sharded.set_requires_gradient_sync(True)
+        return
     ddp = find_ddp(model)
-    if not enabled or ddp is None:
+    if ddp is None:
         yield
         return
     with ddp.no_sync():

@@ -153,7 +153,11 @@ class Trainer:
             sync_batchnorm=config.sync_batchnorm,
             find_unused_parameters=config.find_unused_parameters,
             strategy=config.strategy,
-            fsdp={"precision": config.precision},
+            fsdp={
+                "precision": config.precision,
+                "offload": config.fsdp_offload,
+                "reshard_after_forward": config.fsdp_reshard_after_forward,
+            },
         )
         if config.compile:
             # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
