@@ -61,6 +61,8 @@ def shard_model(
         fully_shard,
     )
 
+    if ctx.device.type == "cpu":
+        check_cpu_supported()
     if precision not in PRECISION_DTYPES:
         raise ConfigError(f"precision must be one of 32, bf16, fp16 (got {precision!r})")
     if min_params < 1:
@@ -81,6 +83,22 @@ def shard_model(
             offload_policy=offload_policy,
         )
     return model
+
+
+def cpu_supported() -> bool:
+    """Whether FSDP2 runs on CPU ranks with this torch (2.7 gave CPU streams the event
+    methods it calls, pytorch#145935)."""
+    return callable(getattr(torch.cpu.Stream, "record_event", None))
+
+
+def check_cpu_supported() -> None:
+    """ConfigError, naming the fix, when FSDP2 cannot run on CPU ranks with this torch."""
+    if not cpu_supported():
+        raise ConfigError(
+            f"strategy fsdp on CPU ranks needs torch 2.7 or newer (FSDP2 records events on "
+            f"CPU streams since then), and this is torch {torch.__version__}: upgrade "
+            "torch, or use --strategy ddp"
+        )
 
 
 def _blocks(

@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     if backend == "gloo" and not under_torchrun():
         check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
     check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
+    if config.strategy == "fsdp" and backend == "gloo":
+        from ddpkit.fsdp import check_cpu_supported
+
+        check_cpu_supported()
     if config.run_dir is not None:
         check_folder("run_dir", config.run_dir)
     if config.checkpoint_dir is not None:
