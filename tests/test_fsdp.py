@@ -121,3 +121,26 @@ def test_verify_passes_sharded_with_clipping_and_accumulation_and_resumes_exactl
     report = ddpkit.verify("digits", config, steps=4)
     assert report.passed, report
     assert ddpkit.verify("digits", TrainConfig(strategy="fsdp"), steps=4, resume=True).passed
+
+
+def _fit_uneven_stream(ctx: DistContext) -> tuple[int, str]:
+    from tests.test_trainer_features import _mlp, _Stream
+
+    ddpkit.seed_everything(0)
+    trainer = ddpkit.Trainer(
+        _mlp(),
+        lambda params: torch.optim.SGD(params, lr=0.05),
+        _Stream(ctx.rank),  # rank 0 has 10 samples, rank 1 has 22
+        ctx,
+        TrainConfig(epochs=2, batch_size=4, strategy="fsdp", progress=False),
+        loss_fn=nn.functional.mse_loss,
+        log_fn=lambda s: None,
+    )
+    trainer.fit()
+    return trainer.global_step, ddpkit.model_digest(trainer.model)
+
+
+def test_uneven_shards_train_sharded_without_join() -> None:
+    steps, digest = launch(_fit_uneven_stream, nprocs=2, hang_timeout=60)
+    assert steps == 2 * 6  # the longer shard's 6 batches, every rank stepping together
+    assert len(digest) == 64
