@@ -45,6 +45,8 @@ def _sharded_blocks(ctx: DistContext, how: str) -> list[str]:
         shard_model(net, ctx, min_params=2000)  # a Linear(32, 32) holds 1056
     elif how == "class":
         shard_model(net, ctx, blocks=[_Block])
+    elif how == "names":
+        shard_model(net, ctx, blocks=["1", "0.a"])
     else:
         shard_model(net, ctx, blocks=lambda m: isinstance(m, nn.Linear) and m.out_features == 1)
     return [name or "root" for name, m in net.named_modules() if isinstance(m, FSDPModule)]
@@ -52,7 +54,12 @@ def _sharded_blocks(ctx: DistContext, how: str) -> list[str]:
 
 @pytest.mark.parametrize(
     ("how", "blocks"),
-    [("size", ["root", "0", "1"]), ("class", ["root", "0", "1"]), ("predicate", ["root", "2"])],
+    [
+        ("size", ["root", "0", "1"]),
+        ("class", ["root", "0", "1"]),
+        ("names", ["root", "0.a", "1"]),
+        ("predicate", ["root", "2"]),
+    ],
 )
 def test_blocks_are_chosen_by_size_class_or_function(how: str, blocks: list[str]) -> None:
     assert launch(_sharded_blocks, how, nprocs=2) == blocks
@@ -67,6 +74,8 @@ def _with_an_optimizer_instance(ctx: DistContext) -> None:
 def test_an_optimizer_built_before_sharding_is_refused_with_the_fix() -> None:
     with pytest.raises(ddpkit.WorkerError, match=r"optimizer=lambda params"):
         launch(_with_an_optimizer_instance, nprocs=2)
+    with pytest.raises(ConfigError, match="no module named decoder"):
+        shard_model(nn.Linear(2, 2), DistContext.single("cpu"), blocks=["decoder"])
     with pytest.raises(ConfigError, match="strategy must be 'ddp' or 'fsdp'"):
         ddpkit.prepare_model(nn.Linear(2, 2), DistContext.single("cpu"), strategy="zero3")
 
@@ -75,7 +84,11 @@ def test_an_optimizer_built_before_sharding_is_refused_with_the_fix() -> None:
 def test_digits_trains_sharded_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     straight = _result(run_cli(*DIGITS, "--epochs", "3", "--checkpoint-dir", str(tmp_path / "a")))
     assert straight["test_accuracy"] >= 0.95
-    _result(run_cli(*DIGITS, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "b")))
+    first = ("--epochs", "2", "--checkpoint-dir", str(tmp_path / "b"), "--keep-last", "1")
+    _result(run_cli(*DIGITS, *first))
+    assert [p.name for p in (tmp_path / "b").iterdir() if p.name != "ddpkit.lock"] == [
+        "ckpt-000000046.dcp"  # the older one was pruned; no temporary folder is left
+    ]
     newest = tmp_path / "b" / "ckpt-000000046.dcp"
     assert sorted(p.name for p in newest.iterdir()) == [
         ".metadata",
@@ -113,6 +126,12 @@ def test_a_sharded_checkpoint_resumes_on_one_process_and_back_on_two(tmp_path: P
 def test_bf16_trains_sharded() -> None:
     out = _result(run_cli(*DIGITS, "--epochs", "2", "--precision", "bf16"))
     assert out["test_accuracy"] >= 0.9
+
+
+def test_cpu_offload_on_cpu_ranks_is_one_line() -> None:
+    out = run_cli(*DIGITS, "--fsdp-offload")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "drop --fsdp-offload" in out.stderr
 
 
 @pytest.mark.slow

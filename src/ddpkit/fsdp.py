@@ -29,7 +29,7 @@ def shard_model(
     model: nn.Module,
     ctx: DistContext,
     *,
-    blocks: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None = None,
+    blocks: Sequence[type[nn.Module] | str] | Callable[[nn.Module], bool] | None = None,
     min_params: int = DEFAULT_MIN_PARAMS,
     precision: str = "32",
     offload: bool = False,
@@ -40,8 +40,9 @@ def shard_model(
     Args:
         model: the bare model, on this rank's device.
         ctx: this rank's `DistContext`.
-        blocks: which modules are blocks: module classes (`[TransformerBlock]`), or a
-            function `module -> bool`; None picks them by size (`min_params`).
+        blocks: which modules are blocks: module classes (`[TransformerBlock]`), their
+            names in the model (`["encoder.layers.0", ...]`), or a function
+            `module -> bool`; None picks them by size (`min_params`).
         min_params: with `blocks=None`, the parameters a block holds at least.
         precision: "32", or "bf16"/"fp16": parameters are gathered and computed in that
             dtype, gradients reduced in float32, and the sharded master copy stays
@@ -62,7 +63,7 @@ def shard_model(
     )
 
     if ctx.device.type == "cpu":
-        check_cpu_supported()
+        check_on_cpu(offload)
     if precision not in PRECISION_DTYPES:
         raise ConfigError(f"precision must be one of 32, bf16, fp16 (got {precision!r})")
     if min_params < 1:
@@ -91,8 +92,13 @@ def cpu_supported() -> bool:
     return callable(getattr(torch.cpu.Stream, "record_event", None))
 
 
-def check_cpu_supported() -> None:
-    """ConfigError, naming the fix, when FSDP2 cannot run on CPU ranks with this torch."""
+def check_on_cpu(offload: bool) -> None:
+    """ConfigError, naming the fix, when strategy fsdp cannot run so on CPU ranks."""
+    if offload:
+        raise ConfigError(
+            "fsdp_offload moves the shards from GPU to CPU memory, and these ranks run on "
+            "the CPU already: drop --fsdp-offload"
+        )
     if not cpu_supported():
         raise ConfigError(
             f"strategy fsdp on CPU ranks needs torch 2.7 or newer (FSDP2 records events on "
@@ -103,7 +109,7 @@ def check_cpu_supported() -> None:
 
 def _blocks(
     model: nn.Module,
-    blocks: Sequence[type[nn.Module]] | Callable[[nn.Module], bool] | None,
+    blocks: Sequence[type[nn.Module] | str] | Callable[[nn.Module], bool] | None,
     min_params: int,
 ) -> list[nn.Module]:
     """The modules to shard on their own, innermost first, never the root."""
@@ -112,13 +118,20 @@ def _blocks(
     if callable(blocks) and not isinstance(blocks, type):
         chosen = blocks
     else:
-        classes = tuple(blocks) if not isinstance(blocks, type) else (blocks,)
-        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        items = (blocks,) if isinstance(blocks, type) else tuple(blocks)
+        classes = tuple(c for c in items if isinstance(c, type) and issubclass(c, nn.Module))
+        names = {n for n in items if isinstance(n, str)}
+        named = dict(model.named_modules())
+        unknown = sorted(names - named.keys())
+        if len(classes) + len(names) != len(items) or unknown:
             raise ConfigError(
-                "blocks must be nn.Module classes or a function module -> bool "
-                f"(got {blocks!r}): pass blocks=[MyBlock]"
+                "blocks must be nn.Module classes, names of the model's modules or a "
+                f"function module -> bool (got {blocks!r}"
+                + (f"; no module named {', '.join(unknown)}" if unknown else "")
+                + "): pass blocks=[MyBlock]"
             )
-        chosen = lambda m: isinstance(m, classes)  # noqa: E731
+        ids = {id(named[n]) for n in names}
+        chosen = lambda m: isinstance(m, classes) or id(m) in ids  # noqa: E731
     # modules() is outer first: reversed, inner blocks are sharded before their parents.
     return [m for m in reversed(list(model.modules())) if m is not model and chosen(m)]
 

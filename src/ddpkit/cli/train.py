@@ -82,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
         check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
     check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
     if config.strategy == "fsdp" and backend == "gloo":
-        from ddpkit.fsdp import check_cpu_supported
+        from ddpkit.fsdp import check_on_cpu
 
-        check_cpu_supported()
+        check_on_cpu(config.fsdp_offload)
     if config.run_dir is not None:
         check_folder("run_dir", config.run_dir)
     if config.checkpoint_dir is not None:
