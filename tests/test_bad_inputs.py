@@ -171,6 +171,8 @@ ROWS = [
     Row("signal-grace-nan", ("train", "--signal-grace", "nan"), "signal_grace must be"),
     Row("signal-grace-0", ("train", "--signal-grace", "0"), "pass --signal-grace 60"),
     Row("on-signal-maybe", ("train", "--on-signal", "maybe"), "one of save, stop"),
+    Row("export-missing", ("export", "nope", "out.pt"), "nope does not exist"),
+    Row("export-empty-folder", ("export", "adir", "out.pt"), "no checkpoint in", needs=("adir",)),
     Row("script-is-folder", ("run", "adir"), "'adir' is a folder", needs=("adir",)),
     Row("script-is-fifo", ("run", "fifo.py"), "is a FIFO", needs=("fifo.py",)),
     Row("run-nproc-100000", ("run", "--nproc", "100000", "s.py"), "more than 4 x", needs=("s.py",)),

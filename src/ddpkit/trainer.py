@@ -55,12 +55,12 @@ from ddpkit.sharded import load_shards, tensors_of
 
 log = logging.getLogger("ddpkit")
 
-# Autocast dtype of each TrainConfig.precision.
-# Steps enter a few contexts that are mostly no-ops: share one instead of making many.
-_NOTHING = contextlib.nullcontext()
 # Built on the parameters of the prepared model (needed with strategy "fsdp").
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
+# Steps enter a few contexts that are mostly no-ops: share one instead of making many.
+_NOTHING = contextlib.nullcontext()
+# Autocast dtype of each TrainConfig.precision.
 AMP_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
