@@ -95,7 +95,9 @@ class Trainer:
 
     Args:
         model: the bare model.
-        optimizer: its optimizer, built on the bare model's parameters.
+        optimizer: its optimizer, built on the bare model's parameters; or a factory
+            `params -> optimizer`, called on the prepared model's parameters (needed
+            with `config.strategy == "fsdp"`, which replaces them).
         train_set: the training data; each rank trains on its own shard.
         ctx: this rank's `DistContext` (from `launch`).
         config: the run's options (epochs, batch size, precision, checkpoints, ...);
@@ -111,7 +113,7 @@ class Trainer:
             together, and reported as `eval_<name>`.
         eval_set: data evaluated after each epoch; every sample counts exactly once.
         scheduler: a learning-rate scheduler, stepped per epoch or per step
-            (`config.scheduler_interval`).
+            (`config.scheduler_interval`); or a factory `optimizer -> scheduler`.
         train_sampler: your own sampler instead of ddpkit's DistributedSampler; it must
             shard by itself. Ranks may then get different numbers of batches (also with
             an IterableDataset); the ranks then agree on every step, so that none hangs
