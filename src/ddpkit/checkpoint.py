@@ -41,6 +41,7 @@ from ddpkit.model import strip_prefixes, unwrap
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
     FolderLock,
+    fsync_folder,
     holds_lock,
     host_token,
     is_running,
@@ -133,12 +134,7 @@ def _write_atomically(obj: Any, path: Path) -> None:
         needed = _serialised_size(obj) if error.errno in _ROOM_ERRNOS else None
         what, fix = write_failure(error, path.parent, needed)
         raise _WriteFailed(f"cannot write checkpoint {path}: {what}", fix) from None
-    # Make the rename itself durable (the directory entry), not only the file data.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    fsync_folder(path.parent)
 
 
 _ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

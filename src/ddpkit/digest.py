@@ -12,14 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpkit.fsdp import gathered
 from ddpkit.model import unwrap
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    full = getattr(tensor, "full_tensor", None)  # a shard of FSDP: gather it (collective)
-    if callable(full):
-        tensor = full()
-    return bytes(tensor.detach().cpu().contiguous().clone().untyped_storage())
+    whole = gathered(tensor)  # a shard of FSDP: all of it (a collective)
+    return bytes(whole.detach().cpu().contiguous().clone().untyped_storage())
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -17,12 +17,11 @@ from torch import nn
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.precision import DTYPES
 
 # A block holds at least this many parameters by default: smaller ones would gather
 # in messages too small to keep the network busy.
 DEFAULT_MIN_PARAMS = 1_000_000
-
-PRECISION_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def shard_model(
@@ -64,11 +63,11 @@ def shard_model(
 
     if ctx.device.type == "cpu":
         check_on_cpu(offload)
-    if precision not in PRECISION_DTYPES:
+    if precision not in DTYPES:
         raise ConfigError(f"precision must be one of 32, bf16, fp16 (got {precision!r})")
     if min_params < 1:
         raise ConfigError(f"min_params must be >= 1 (got {min_params})")
-    dtype = PRECISION_DTYPES[precision]
+    dtype = DTYPES[precision]
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         # BatchNorm's running statistics are buffers, which FSDP leaves in float32:
         # low-precision weights beside them fail. Gather in float32; autocast (Trainer,
@@ -84,6 +83,13 @@ def shard_model(
             offload_policy=offload_policy,
         )
     return model
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (FSDP's DTensor; a collective: every rank calls it),
+    else `tensor` itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
 
 
 def cpu_supported() -> bool:

@@ -24,7 +24,8 @@ _NAMES = {
     "16": "fp16",
     "16-mixed": "fp16",
 }
-_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The autocast dtype of each precision ("32": none), for Precision, Trainer and FSDP.
+DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _autocast_problem(device_type: str, dtype: torch.dtype) -> str | None:
@@ -73,7 +74,7 @@ class Precision:
         self.precision = name
         """ddpkit's name of it: "32", "bf16" or "fp16"."""
         self.device_type = ctx.device.type
-        self.dtype: torch.dtype | None = _DTYPES[name]
+        self.dtype: torch.dtype | None = DTYPES[name]
         """The autocast dtype (None for "32")."""
         if self.dtype is not None:
             problem = _autocast_problem(self.device_type, self.dtype)

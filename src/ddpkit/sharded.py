@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ddpkit.context import DistContext
-from ddpkit.storage import host_token, this_process
+from ddpkit.storage import fsync_folder, host_token, this_process
 
 META = "meta.pt"
 SUFFIX = ".dcp"
@@ -61,11 +61,7 @@ def publish(tmp: Path, path: Path) -> None:
     if path.exists():  # the same step saved again (a resumed run's last checkpoint)
         shutil.rmtree(path)
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename durable
-    finally:
-        os.close(dir_fd)
+    fsync_folder(path.parent)
 
 
 def load_shards(path: Path, model: nn.Module, optimizer: Any) -> None:

@@ -226,6 +226,15 @@ class FolderLock:
         )
 
 
+def fsync_folder(folder: Path) -> None:
+    """Make the renames in `folder` durable (its entries), not only the files' data."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def _flocked(folder: Path) -> Iterator[None]:
     """An exclusive flock on the folder itself, where the filesystem has one (else

@@ -47,6 +47,7 @@ from ddpkit.data import prepare_loader
 from ddpkit.errors import CheckpointError, ConfigError, Preempted
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, unwrap
+from ddpkit.precision import DTYPES
 from ddpkit.preemption import StopVote, saving_on_signal
 from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
@@ -60,8 +61,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 # Steps enter a few contexts that are mostly no-ops: share one instead of making many.
 _NOTHING = contextlib.nullcontext()
-# Autocast dtype of each TrainConfig.precision.
-AMP_DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -202,7 +201,7 @@ class Trainer:
                 collate_fn=collate_fn,
             )
         )
-        self.amp_dtype = AMP_DTYPES[config.precision]
+        self.amp_dtype = DTYPES[config.precision]
         self.scaler = torch.amp.GradScaler(ctx.device.type) if config.precision == "fp16" else None
         self.callbacks = list(callbacks)
         if config.early_stopping_patience is not None:

@@ -18,6 +18,7 @@ from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.fsdp import gathered
 from ddpkit.job import Job, JobRef, build_job
 from ddpkit.launcher import under_torchrun
 from ddpkit.model import unwrap
@@ -137,8 +138,7 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 def whole(tensor: torch.Tensor) -> torch.Tensor:
     """A copy on the CPU of `tensor`; of a shard (FSDP's DTensor), the whole tensor (a
     collective)."""
-    full = getattr(tensor, "full_tensor", None)
-    return (full() if callable(full) else tensor).detach().cpu().clone()
+    return gathered(tensor).detach().cpu().clone()
 
 
 def leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
