@@ -23,7 +23,8 @@ from ddpkit import DistContext, Preempted, TrainConfig, Trainer, launch
 from ddpkit.errors import PREEMPTED_EXIT
 from tests.conftest import run_cli, wait_gone
 
-SEED_JOB = ("train", "--example", "seed", "--nproc", "2", "--epochs", "24", "--json")
+EPOCHS = 24
+SEED_JOB = ("train", "--example", "seed", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
 TRIALS = 10
 
 
@@ -59,9 +60,15 @@ def _interrupt(folder: Path, rng: random.Random, target: str) -> int:
     assert proc.stdout is not None
     first = proc.stdout.readline()  # the first epoch line: training has started
     assert first.startswith("epoch 1/"), first + proc.communicate()[1]
+    started = time.monotonic()
+    second = proc.stdout.readline()
+    assert second.startswith("epoch 2/"), second + proc.communicate()[1]
     workers = _workers(proc.pid)
     assert len(workers) == 2
-    time.sleep(rng.uniform(0.0, 2.5))  # the job trains for about 2.5 s more
+    # A moment inside the training that is left, measured on this machine from one
+    # epoch's time rather than assumed: a fast machine must not finish before the signal.
+    left = (EPOCHS - 2) * (time.monotonic() - started)
+    time.sleep(rng.uniform(0.0, 0.8 * left))
     with contextlib.suppress(ProcessLookupError):  # it may have finished
         if target == "every-process":
             os.killpg(proc.pid, signal.SIGTERM)
