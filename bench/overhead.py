@@ -97,7 +97,13 @@ def run_all(
                 replaced: list[tuple[list[dict[str, Any]], float | None, int]] = []
                 launch_runs, foreign, attempt = measured(
                     functools.partial(
-                        throughput_launch, workload, nprocs, list(CONTESTANTS), rounds, backend
+                        throughput_launch,
+                        workload,
+                        nprocs,
+                        list(CONTESTANTS),
+                        rounds,
+                        threads_for(nprocs),  # what ddpkit.launch gives each rank
+                        backend,
                     ),
                     settle_s,
                     retries,

@@ -76,6 +76,7 @@ class Run:
     model_digest: str
     world_size: int  # as the contestant's framework reports it
     ddp: bool  # the model it trained was wrapped in DistributedDataParallel
+    cpu_s: float = 0.0  # CPU time of this process (all its threads) over the same span
 
     @property
     def samples_per_s(self) -> float:
@@ -86,6 +87,7 @@ class Run:
         wall_rate = self.samples / self.wall_s if self.wall_s else 0.0
         return {
             **asdict(self),
+            "cpu_us_per_sample": self.cpu_s / self.samples * 1e6 if self.samples else None,
             "samples_per_s": self.samples_per_s,
             "wall_samples_per_s": wall_rate,
         }
@@ -121,17 +123,20 @@ def train_hand(
     _on_first_step(optimizer, first_step)
     train_data = prepare_dataloader(dataset, workload.batch_size, pin=device.type == "cuda")
     trainer = TutorialTrainer(model, train_data, optimizer, rank, device, loss_fn(workload))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     train_s = trainer.train(workload.epochs)
-    wall_s = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     samples = len(train_data.sampler) * world_size * workload.epochs  # type: ignore[arg-type]
-    return Run(
-        "hand", round, samples, train_s, wall_s, digest(model), world_size, _has_ddp(trainer.model)
-    )
+    ddp = _has_ddp(trainer.model)
+    return Run("hand", round, samples, train_s, wall_s, digest(model), world_size, ddp, cpu_s)
 
 
 def _train_ddpkit(
-    workload: Workload, round: int, first_step: FirstStep | None, sync_batchnorm: bool
+    workload: Workload,
+    round: int,
+    first_step: FirstStep | None,
+    sync_batchnorm: bool,
+    grad_compression: str = "none",
 ) -> Run:
     import ddpkit
 
@@ -142,21 +147,26 @@ def _train_ddpkit(
         epochs=workload.epochs,
         batch_size=workload.batch_size,
         sync_batchnorm=sync_batchnorm,
+        grad_compression=grad_compression,  # type: ignore[arg-type]
         progress=False,
     )
     trainer = ddpkit.Trainer(
         model, optimizer, dataset, ctx, config, loss_fn=loss_fn(workload), log_fn=_quiet
     )
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     result = trainer.fit()
-    wall_s = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     samples = len(trainer.train_loader.sampler) * ctx.world_size * workload.epochs  # type: ignore[arg-type]
     train_s = samples / result.samples_per_s if result.samples_per_s else 0.0
-    name = "ddpkit+syncbn" if sync_batchnorm else "ddpkit"
-    bare = ddpkit.unwrap(trainer.model)
-    return Run(
-        name, round, samples, train_s, wall_s, digest(bare), ctx.world_size, _has_ddp(trainer.model)
+    name = (
+        "ddpkit+syncbn"
+        if sync_batchnorm
+        else "ddpkit+bf16"
+        if grad_compression != "none"
+        else "ddpkit"
     )
+    bare, ddp = ddpkit.unwrap(trainer.model), _has_ddp(trainer.model)
+    return Run(name, round, samples, train_s, wall_s, digest(bare), ctx.world_size, ddp, cpu_s)
 
 
 def train_ddpkit(
@@ -171,6 +181,13 @@ def train_ddpkit_syncbn(
 ) -> Run:
     """ddpkit's default: BatchNorm synchronised over the ranks (ddpkit's CPU kernel)."""
     return _train_ddpkit(workload, round, first_step, sync_batchnorm=True)
+
+
+def train_ddpkit_bf16(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    """ddpkit with gradients all-reduced in bfloat16 (`grad_compression="bf16"`)."""
+    return _train_ddpkit(workload, round, first_step, sync_batchnorm=False, grad_compression="bf16")
 
 
 def train_accelerate(
@@ -189,7 +206,7 @@ def train_accelerate(
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     criterion = loss_fn(workload)
     train_s = 0.0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(workload.epochs):
         t = time.perf_counter()
         for inputs, targets in loader:
@@ -198,10 +215,11 @@ def train_accelerate(
             accelerator.backward(loss)
             optimizer.step()
         train_s += time.perf_counter() - t
-    wall_s = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     world = accelerator.num_processes
     samples = len(loader) * workload.batch_size * world * workload.epochs
-    return Run("accelerate", round, samples, train_s, wall_s, digest(bare), world, _has_ddp(model))
+    ddp = _has_ddp(model)
+    return Run("accelerate", round, samples, train_s, wall_s, digest(bare), world, ddp, cpu_s)
 
 
 def train_fabric(
@@ -221,7 +239,7 @@ def train_fabric(
     )
     criterion = loss_fn(workload)
     train_s = 0.0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(workload.epochs):
         t = time.perf_counter()
         for inputs, targets in loader:
@@ -230,10 +248,11 @@ def train_fabric(
             fabric.backward(loss)
             optimizer.step()
         train_s += time.perf_counter() - t
-    wall_s = time.perf_counter() - start
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     world = fabric.world_size
     samples = len(loader) * workload.batch_size * world * workload.epochs
-    return Run("fabric", round, samples, train_s, wall_s, digest(bare), world, _has_ddp(model))
+    ddp = _has_ddp(model)
+    return Run("fabric", round, samples, train_s, wall_s, digest(bare), world, ddp, cpu_s)
 
 
 TRAIN: dict[str, Train] = {
@@ -242,6 +261,7 @@ TRAIN: dict[str, Train] = {
     "accelerate": train_accelerate,
     "fabric": train_fabric,
     "ddpkit+syncbn": train_ddpkit_syncbn,
+    "ddpkit+bf16": train_ddpkit_bf16,
 }
 
 

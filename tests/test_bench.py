@@ -35,14 +35,24 @@ def peers() -> Iterator[ModuleType]:
         sys.path.remove(str(BENCH))
 
 
-def _run(n: int, who: str, rnd: int, rate: float, digest: str = "A", world: int = 0) -> Any:
+def _run(
+    n: int,
+    who: str,
+    rnd: int,
+    rate: float,
+    digest: str = "A",
+    world: int = 0,
+    workload: str = "seed",
+    cpu: float | None = None,
+) -> Any:
     return {
-        "workload": "seed",
+        "workload": workload,
         "nprocs": n,
         "repeat": 0,
         "round": rnd,
         "contestant": who,
         "samples_per_s": rate,
+        "cpu_us_per_sample": cpu,
         "model_digest": digest,
         "world_size": world or n,
         "ddp": n > 1 or who == "hand",
@@ -80,7 +90,15 @@ DIGESTS = {(1, "accelerate"): "B", (1, "fabric"): "B", (2, "accelerate"): "C"}
 
 def _made_up() -> tuple[list[Any], list[Any]]:
     runs = [
-        _run(n, who, rnd, rate, DIGESTS.get((n, who), "A"), world=1 if who == "fabric" else 0)
+        _run(
+            n,
+            who,
+            rnd,
+            rate,
+            DIGESTS.get((n, who), "A"),
+            world=1 if who == "fabric" else 0,
+            cpu={"hand": 10.0, "ddpkit": 9.0}.get(who),  # CPU us per sample
+        )
         for (n, who), rates in RATES.items()
         for rnd, rate in enumerate(rates)
     ]
@@ -118,23 +136,46 @@ def test_peers_summary_ratios_scaling_and_targets(peers: ModuleType) -> None:
     assert scale["seed"]["ddpkit"] == pytest.approx(66 / (2 * 140))
     assert scale["seed"]["hand"] == pytest.approx(60 / (2 * 110))
 
-    verdicts = {(t["row"], t["target"]): t["met"] for t in peers.targets(rows)}
+    verdicts = {(t["row"], t["target"]): t["met"] for t in peers.targets(rows, [])}
     assert verdicts[("seed/1", "samples/s vs hand")]
     assert not verdicts[("seed/1", "samples/s vs fabric")]  # 140 < 150
     assert verdicts[("seed/1", "first step vs fabric")]  # 2.0 s < 2.2 s
+    assert not verdicts[("seed/1", "first step vs hand")]  # 2.0 / 3.0 > 0.5
     assert not verdicts[("seed/2", "first step vs accelerate")]  # 3.3 s > 3.2 s
-    assert verdicts[("seed/2", "samples/s vs hand")]  # 1.1 >= 0.98
+    assert verdicts[("seed/2", "samples/s vs hand")]  # 1.1 >= 1.0
+    assert verdicts[("seed/1", "CPU time per sample vs hand")]  # 9 us <= 10 us
+    assert ("seed/2", "CPU time per sample vs hand") not in verdicts  # one process only
 
     # fabric with two ranks reported a world size of 1: the checks say so
     problems = peers.check_lines(rows)
     assert problems == ["seed/2 fabric: saw world size(s) [1, 2], not 2"]
 
-    text = peers.report(rows, peers.scaling(rows), peers.targets(rows), markdown=True)
+    text = peers.report(rows, peers.scaling(rows), peers.targets(rows, []), markdown=True)
     assert (
         "| seed | 1 | 110 | 140 (1.27) | 100 (0.91) | 150 (1.36) | 1.273 | 1.400 | 0.933 |" in text
     )
     assert "| seed | ddpkit | 1 | 2.00 | 1.00 | 290 |" in text
     assert "- seed/1 samples/s vs fabric: 0.933 (need >= 1.0) MISSED" in text
+
+
+def test_peers_syncbn_cost_and_mlp_scaling_targets(peers: ModuleType) -> None:
+    runs = [
+        _run(1, "ddpkit", 0, 100.0, workload="mlp"),
+        _run(2, "ddpkit", 0, 140.0, workload="mlp"),  # 140 / (2 x 100): 0.70
+        _run(2, "ddpkit+bf16", 0, 160.0, "B", workload="mlp"),  # 0.80
+        _run(2, "ddpkit", 0, 60.0, workload="cnn"),
+        _run(2, "ddpkit+syncbn", 0, 50.0, "B", workload="cnn"),  # costs 60 / 50 = 1.2
+    ]
+    rows = peers.summarize(runs, [])
+    scale = peers.scaling(rows)
+    goals = {(t["row"], t["target"]): t for t in peers.targets(rows, scale)}
+    assert goals[("mlp/2", "scaling of ddpkit")]["value"] == pytest.approx(0.70)
+    assert not goals[("mlp/2", "scaling of ddpkit")]["met"]
+    assert goals[("mlp/2", "scaling of ddpkit+bf16")]["met"]
+    assert goals[("cnn/2", "SyncBN cost vs plain BN")]["value"] == pytest.approx(1.2)
+    assert not goals[("cnn/2", "SyncBN cost vs plain BN")]["met"]
+    # the variants are not peers: no "ddpkit vs ddpkit+bf16" ratios
+    assert set(rows[1]["ddpkit_vs"]) == set()
 
 
 def test_peers_names_the_extra_when_the_peers_are_missing(

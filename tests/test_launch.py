@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ddpkit import ConfigError, DistContext, WorkerError, launch
 from ddpkit.errors import HangError
+from ddpkit.launcher import threads_per_rank
 from tests.conftest import ROOT, pid_alive, wait_for_files, wait_gone
 
 
@@ -151,6 +152,81 @@ def test_bad_arguments_are_clear_errors() -> None:
         launch(_identity, "x", nprocs=2, init="udp")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="module level"):
         launch(lambda ctx: 1, nprocs=2)
+    with pytest.raises(ConfigError, match="start must be"):
+        launch(_identity, "x", nprocs=2, start="forkserver")  # type: ignore[arg-type]
+
+
+_START_SCRIPT = textwrap.dedent(
+    """
+    import threading, time
+    import torch
+    import ddpkit
+    from ddpkit.launcher import start_method
+
+    def module_name(ctx):
+        # A spawned worker re-imports the script as __mp_main__; a forked one is a copy.
+        return __name__, torch.get_num_threads()
+
+    if __name__ == "__main__":
+        print(start_method(), *ddpkit.launch(module_name, nprocs=2))
+        print("forced", *ddpkit.launch(module_name, nprocs=2, start="spawn"))
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        print(start_method(), *ddpkit.launch(module_name, nprocs=2))
+    """
+)
+
+
+_EXIT_HOOK_SCRIPT = textwrap.dedent(
+    """
+    import atexit, os, sys, tempfile
+    from pathlib import Path
+    import ddpkit
+
+    def write(ctx, folder):
+        Path(folder, f"rank{ctx.rank}").write_text("ok")  # the folder must still exist
+
+    if __name__ == "__main__":
+        out = Path(sys.argv[1])
+        atexit.register(lambda: (out / f"exit-hook-{os.getpid()}").write_text(""))
+        with tempfile.TemporaryDirectory() as tmp:
+            ddpkit.launch(write, tmp, nprocs=2)  # forked: copies of this process
+            ddpkit.launch(write, tmp, nprocs=2)
+            print(sorted(os.listdir(tmp)), os.getpid())
+    """
+)
+
+
+def test_forked_workers_leave_the_parents_exit_hooks_alone(tmp_path: Path) -> None:
+    # A forked worker once ran the parent's exit hooks as it exited, among them the
+    # cleanup of the parent's temporary folders: `ddpkit verify` lost its folder.
+    script = tmp_path / "job.py"
+    script.write_text(_EXIT_HOOK_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    names, pid = out.stdout.rsplit(" ", 1)
+    assert names == "['rank0', 'rank1']"
+    assert [p.name for p in tmp_path.glob("exit-hook-*")] == [f"exit-hook-{pid.strip()}"]
+
+
+def test_workers_are_forked_while_that_is_safe_and_spawned_otherwise(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_START_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    threads = str(threads_per_rank(2))
+    # A fresh script that imported torch and started no thread: fork, torch not
+    # imported again, and each worker still gets its share of the cores.
+    assert out.stdout.splitlines() == [
+        f"fork __main__ {threads}",
+        f"forced __mp_main__ {threads}",
+        # A thread of the user's may hold a lock that a forked copy never gets back.
+        f"spawn __mp_main__ {threads}",
+    ]
 
 
 _SCRIPT = textwrap.dedent(

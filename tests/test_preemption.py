@@ -40,10 +40,10 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _workers(parent: int) -> list[int]:
-    """The spawned ranks of `parent` (not multiprocessing's resource tracker)."""
+    """The ranks of `parent`, forked or spawned (not multiprocessing's resource tracker)."""
     found = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
     pids = [int(p) for p in found.stdout.split()]
-    return [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def _interrupt(folder: Path, rng: random.Random, target: str) -> int:

@@ -270,7 +270,17 @@ def _variants(ctx: DistContext) -> list[Any]:
     ref = nn.BatchNorm2d(3).double()
     ref_out = ref(x.double())
     far = SyncBatchNorm(3)
-    _record(errs, "f32 far from zero output", far(x[lo:hi]), ref_out[lo:hi])
+    local = x[lo:hi].clone().requires_grad_()
+    far_out = far(local)
+    _record(errs, "f32 far from zero output", far_out, ref_out[lo:hi])
+    # The input gradient too: its x_hat term must not cancel against the mean either.
+    ref_x = x.double().requires_grad_()
+    nn.BatchNorm2d(3).double()(ref_x).pow(2).mul(
+        torch.arange(sum(sizes)).view(-1, 1, 1, 1)
+    ).sum().backward()
+    far_out.pow(2).mul(torch.arange(lo, hi).view(-1, 1, 1, 1)).sum().backward()
+    assert local.grad is not None and ref_x.grad is not None
+    _record(errs, "f32 far from zero input grad", local.grad, ref_x.grad[lo:hi])
     assert far.running_var is not None and ref.running_var is not None
     _record(errs, "f32 far from zero running_var", far.running_var, ref.running_var)
 
@@ -366,6 +376,7 @@ def test_variants_uneven_empty_eval_half_precision() -> None:
         # float32 resolves 1e4 to ~5e-4; a variance from sums of squares would be off by ~1.
         assert loose["f32 far from zero output"] < 5e-3, loose
         assert loose["f32 far from zero running_var"] < 1e-3, loose
+        assert loose["f32 far from zero input grad"] < 5e-3, loose
         assert info["bf16 output dtype"] == "torch.bfloat16"
         assert info["bf16 running dtype"] == "torch.float32"
         assert info["autocast output dtype"] == "torch.bfloat16"

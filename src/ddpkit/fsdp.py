@@ -10,7 +10,9 @@ found from the leaves up, then the root for what is left.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,6 +24,16 @@ from ddpkit.precision import DTYPES
 # A block holds at least this many parameters by default: smaller ones would gather
 # in messages too small to keep the network busy.
 DEFAULT_MIN_PARAMS = 1_000_000
+
+
+def as_sharded(model: nn.Module) -> Any | None:
+    """`model` (or the module `torch.compile` wraps) if `fully_shard` sharded it, else None.
+
+    It never imports FSDP itself: that import costs about 0.7 s of every start-up
+    (sympy, DTensor), and nothing can be sharded before FSDP was imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    model = getattr(model, "_orig_mod", model)
+    return model if fsdp is not None and isinstance(model, fsdp.FSDPModule) else None
 
 
 def shard_model(

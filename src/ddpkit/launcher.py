@@ -19,6 +19,7 @@ import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -55,6 +56,7 @@ HashStore: Any = dist.HashStore  # type: ignore[attr-defined]
 T = TypeVar("T")
 Backend = Literal["auto", "gloo", "nccl"]
 Init = Literal["tcp", "file"]
+StartMethod = Literal["auto", "fork", "spawn"]
 
 # torch 2.4 to 2.7 serve the store with libuv, which refuses a socket handed to it
 # (asking first and retrying is not safe: the failed attempt may close the socket).
@@ -109,6 +111,40 @@ def resolve_nprocs(nprocs: int | str, backend: str) -> int:
     return nprocs
 
 
+def _threads() -> int:
+    """Threads of this process, native ones included (a store's server, OpenMP's pool)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return -1  # unknown
+
+
+# Threads the libraries started on import (numpy's OpenBLAS server, which is safe to
+# fork: it stops itself around a fork). Counted when ddpkit's launcher is imported,
+# which imports torch first.
+_IMPORT_THREADS = _threads()
+
+
+def start_method(requested: StartMethod = "auto") -> str:
+    """How `launch` starts workers: "fork" where that is safe, else "spawn".
+
+    A forked worker starts in milliseconds with torch already imported; a spawned one
+    is a new interpreter that imports torch again (about 1.5 s, all ranks at once
+    competing for the cores). Fork is safe only while this process has started no
+    thread since torch was imported: fork copies the calling thread alone, and a
+    lock another thread held stays locked in the child (an OpenMP pool after a
+    parallel op, a store's server, a logger's thread). Nor may it have initialised
+    CUDA, which a forked child can no longer use. Linux only.
+    """
+    if requested != "auto":
+        return requested
+    if sys.platform != "linux" or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return "spawn"
+    if threading.active_count() > 1 or not 0 < _threads() <= _IMPORT_THREADS:
+        return "spawn"
+    return "fork"
+
+
 def threads_per_rank(local_world_size: int) -> int:
     """A fair share of the cores, so ranks on one machine don't oversubscribe it."""
     return max(1, cpu_count() // max(1, local_world_size))
@@ -126,6 +162,8 @@ class _Spec:
     timeout_s: float
     log_level: int
     parent_pid: int  # the launching process: a worker whose parent is another one exits
+    forked: bool = False  # the worker is a copy of the parent, not a new interpreter
+    inherited_fd: int | None = None  # the parent's listening socket, in a forked worker
 
 
 def launch(
@@ -137,6 +175,7 @@ def launch(
     timeout: float = 1800.0,
     hang_timeout: float | None = None,
     signal_grace: float = DEFAULT_SIGNAL_GRACE,
+    start: StartMethod = "auto",
 ) -> T:
     """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
@@ -160,6 +199,10 @@ def launch(
             save and stop (a `Trainer` with a checkpoint folder saves after the step
             they agree on) before they are stopped regardless. The signal may reach
             this process, which passes it on, or any worker.
+        start: how workers start: "auto" forks them from this process (torch already
+            imported: the first step comes seconds sooner) when that is safe, that is
+            on Linux with no thread started since ddpkit was imported and no CUDA
+            context; otherwise "spawn" starts fresh interpreters, as `mp.spawn` does.
 
     Returns:
         What `fn` returned on rank 0.
@@ -173,6 +216,8 @@ def launch(
     """
     if init not in ("tcp", "file"):
         raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
+    if start not in ("auto", "fork", "spawn"):
+        raise ConfigError(f"start must be 'auto', 'fork' or 'spawn' (got {start!r})")
     if hang_timeout is None:
         hang_timeout = min(DEFAULT_HANG_TIMEOUT, timeout)
     if not hang_timeout >= 0:
@@ -199,7 +244,7 @@ def launch(
     n = resolve_nprocs(nprocs, backend_)
     if n == 1:
         return _run_single(fn, args, backend_, timeout)
-    return _spawn(fn, args, n, backend_, init, timeout, hang_timeout, signal_grace)
+    return _spawn(fn, args, n, backend_, init, timeout, hang_timeout, signal_grace, start)
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -269,9 +314,16 @@ def _spawn(
     timeout_s: float,
     hang_timeout: float,
     signal_grace: float,
+    start: StartMethod,
 ) -> T:
-    mp = multiprocessing.get_context("spawn")
-    store: Any = serve_store(world_size=n) if init == "tcp" else None
+    _check_picklable(fn)
+    method = start_method(start)
+    mp: Any = multiprocessing.get_context(method)
+    # The store's server runs on a thread, and a fork must happen while there is none:
+    # the socket is bound and listening now (so its port is known and connections
+    # queue), and the store starts serving it once the workers exist.
+    listener = listening_socket(_LOOPBACK) if init == "tcp" else None
+    store: Any = None
     tmpdir = scratch_dir("job")
     status = tmpdir / "status" if hang_timeout > 0 else None
     if status:
@@ -279,13 +331,17 @@ def _spawn(
     spec = _Spec(
         world_size=n,
         backend=backend,
-        store_port=store.port if store else None,
-        init_file=None if store else str(tmpdir / "rendezvous"),
+        store_port=listener.getsockname()[1] if listener else None,
+        init_file=None if listener else str(tmpdir / "rendezvous"),
         status_dir=str(status) if status else None,
         timeout_s=timeout_s,
         log_level=logging.getLogger("ddpkit").getEffectiveLevel(),
         parent_pid=os.getpid(),
+        forked=method == "fork",
+        # A forked worker holds a copy of the listening socket: it closes it.
+        inherited_fd=listener.fileno() if listener and method == "fork" else None,
     )
+    log.debug("starting %d workers with %s", n, method)
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
     forwarder = SignalForwarder(
@@ -310,6 +366,8 @@ def _spawn(
             finally:
                 send.close()
             procs[rank], conns[rank] = proc, recv
+        if listener is not None:
+            store, listener = serve_store(world_size=n, listener=listener), None
         judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
         return cast(T, _supervise(procs, conns, status, judge, forwarder))
     finally:
@@ -318,7 +376,21 @@ def _spawn(
         for conn in conns.values():
             conn.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+        if listener is not None:
+            listener.close()
         del store
+
+
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    """A forked worker needs no pickled `fn`, a spawned one does: refuse what cannot
+    pickle either way, so a job that runs here also runs where workers are spawned."""
+    try:
+        pickle.dumps(fn)
+    except (AttributeError, TypeError, ValueError, pickle.PicklingError) as exc:
+        raise ConfigError(
+            f"cannot send {getattr(fn, '__name__', fn)!r} to the workers ({exc}): define "
+            "the function at module level"
+        ) from exc
 
 
 # After every rank has returned its result, how long a worker may take to exit.
@@ -449,26 +521,38 @@ def _stop(procs: Any) -> None:
         p.join()
 
 
-def serve_store(
-    host: str = _LOOPBACK, port: int = 0, world_size: int | None = None, **kwargs: Any
-) -> Any:
-    """A TCP store served on `host` only (default 127.0.0.1, at a port the OS picks).
-
-    TCPStore listens on every interface when it opens its own socket, so it is handed
-    a socket already bound to `host`: a single-machine job is not reachable from the
-    network. Holding the port for the whole job also means a second job can never get
-    the same one.
-    """
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to `host` only (port 0: one the OS picks), already listening."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(1024)
-        port = sock.getsockname()[1]
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+def serve_store(
+    host: str = _LOOPBACK,
+    port: int = 0,
+    world_size: int | None = None,
+    *,
+    listener: socket.socket | None = None,
+    **kwargs: Any,
+) -> Any:
+    """A TCP store served on `host` only (default 127.0.0.1, at a port the OS picks), or
+    on `listener`, a socket from `listening_socket`.
+
+    TCPStore listens on every interface when it opens its own socket, so it is handed
+    a socket already bound to `host`: a single-machine job is not reachable from the
+    network. Holding the port for the whole job also means a second job can never get
+    the same one.
+    """
+    sock = listener if listener is not None else listening_socket(host, port)
+    port = sock.getsockname()[1]
     fd = sock.detach()  # the store closes the socket when it is destroyed
     options = {"is_master": True, "wait_for_workers": False, "master_listen_fd": fd, **kwargs}
     if _LIBUV_REFUSES_SOCKETS:
@@ -511,6 +595,12 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 def _worker(
     rank: int, spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 ) -> None:
+    if spec.forked:
+        # The parent's exit hooks are the parent's: run here, the cleanup of its
+        # temporary folders would delete them from under it (see exit_now).
+        atexit._clear()
+        if spec.inherited_fd is not None:
+            os.close(spec.inherited_fd)
     die_with_parent(spec.parent_pid)
     # Ctrl-C reaches every process of the terminal; the parent alone handles it and
     # stops the workers, so they don't each print a KeyboardInterrupt traceback.

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpkit.compression import bf16_allreduce_hook
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 
@@ -28,6 +29,7 @@ def prepare_model(
     broadcast_buffers: bool = True,
     strategy: str = "ddp",
     fsdp: dict[str, Any] | None = None,
+    grad_compression: str = "none",
 ) -> nn.Module:
     """Put `model` on this rank's device and, with more than one rank, wrap it in DDP
     (or shard it with FSDP2, `strategy="fsdp"`).
@@ -55,12 +57,22 @@ def prepare_model(
             after this call, on the returned model's parameters.
         fsdp: options of `ddpkit.fsdp.shard_model` (`blocks`, `min_params`,
             `precision`, `offload`, `reshard_after_forward`).
+        grad_compression: "bf16" all-reduces gradients in bfloat16
+            (`ddpkit.compression`: half the bytes, each gradient rounded to ~3 digits);
+            "none" sends them as they are.
 
     Returns:
         The model to train: DDP-wrapped with several ranks, the moved model with one.
     """
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"strategy must be 'ddp' or 'fsdp' (got {strategy!r})")
+    if grad_compression not in ("none", "bf16"):
+        raise ConfigError(f"grad_compression must be 'none' or 'bf16' (got {grad_compression!r})")
+    if grad_compression != "none" and strategy != "ddp":
+        raise ConfigError(
+            "grad_compression works with strategy ddp only (FSDP reduces in its own "
+            "dtypes): drop grad_compression, or use precision='bf16' with fsdp"
+        )
     if isinstance(model, DDP):
         raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
     model = model.to(ctx.device)
@@ -86,7 +98,7 @@ def prepare_model(
         kwargs["bucket_cap_mb"] = bucket_cap_mb
     if not broadcast_buffers:  # only when asked: newer torch warns that it is deprecated
         kwargs["broadcast_buffers"] = False
-    return DDP(
+    ddp = DDP(
         model,
         device_ids=[ctx.device] if on_gpu else None,
         output_device=ctx.device if on_gpu else None,
@@ -95,6 +107,9 @@ def prepare_model(
         gradient_as_bucket_view=gradient_as_bucket_view,
         **kwargs,  # type: ignore[arg-type]
     )
+    if grad_compression == "bf16":
+        ddp.register_comm_hook(None, bf16_allreduce_hook)
+    return ddp
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -18,9 +18,6 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from ddpkit.context import DistContext
 from ddpkit.storage import fsync_folder, host_token, this_process
@@ -31,6 +28,9 @@ SUFFIX = ".dcp"
 
 def tensors_of(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """The model's and optimizer's state, keyed by parameter name (sharded under FSDP)."""
+    # Imported here, as FSDP is (see fsdp.as_sharded): a DDP job never pays for it.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optim_state}
 
@@ -52,6 +52,8 @@ def write_shards(tensors: dict[str, Any], path: Path, ctx: DistContext) -> Path:
     if ctx.distributed:
         dist.broadcast_object_list(name, src=0)
     tmp = Path(name[0])
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     dcp_save(tensors, checkpoint_id=tmp)
     return tmp
 
@@ -67,6 +69,9 @@ def publish(tmp: Path, path: Path) -> None:
 def load_shards(path: Path, model: nn.Module, optimizer: Any) -> None:
     """Load the model's and optimizer's state from the sharded checkpoint `path`, on any
     number of ranks. A collective."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     tensors = tensors_of(model, optimizer)
     dcp_load(tensors, checkpoint_id=path)
     set_state_dict(

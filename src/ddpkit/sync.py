@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ddpkit.errors import ConfigError
+from ddpkit.fsdp import as_sharded
 from ddpkit.model import find_ddp
 
 
@@ -35,8 +35,8 @@ def no_backward_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    sharded = getattr(model, "_orig_mod", model)
-    if isinstance(sharded, FSDPModule):  # strategy "fsdp": its own switch
+    sharded = as_sharded(model)
+    if sharded is not None:  # strategy "fsdp": its own switch
         sharded.set_requires_gradient_sync(False)
         try:
             yield

@@ -18,7 +18,6 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
@@ -45,6 +44,7 @@ from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.data import prepare_loader
 from ddpkit.errors import CheckpointError, ConfigError, Preempted
+from ddpkit.fsdp import as_sharded
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, unwrap
 from ddpkit.precision import DTYPES
@@ -153,6 +153,8 @@ class Trainer:
             ctx,
             sync_batchnorm=config.sync_batchnorm,
             find_unused_parameters=config.find_unused_parameters,
+            bucket_cap_mb=config.bucket_cap_mb,
+            grad_compression=config.grad_compression,
             strategy=config.strategy,
             fsdp={
                 "precision": config.precision,
@@ -165,7 +167,7 @@ class Trainer:
             # bucket boundaries, so communication still overlaps the backward pass.
             self.model = cast(nn.Module, torch.compile(self.model))
         self._ddp = find_ddp(self.model)
-        self._sharded = self.model if isinstance(self.model, FSDPModule) else None
+        self._sharded = as_sharded(self.model)
         # Checkpoints of strategy "fsdp" are sharded on any number of ranks, so that a
         # run resumes on another number of ranks (one included).
         self._shards = config.strategy == "fsdp"
