@@ -195,10 +195,11 @@ def train_accelerate(
 ) -> Run:
     from accelerate import Accelerator
 
+    threads = torch.get_num_threads()  # what the launch gives every contestant's ranks
     accelerator = Accelerator(cpu=True)
     # Accelerate sets its own thread count (physical cores // ranks) the first time;
     # every contestant gets the same share instead.
-    torch.set_num_threads(threads_for(accelerator.num_processes))
+    torch.set_num_threads(threads)
     dataset, model, optimizer = load_train_objs(workload)
     _on_first_step(optimizer, first_step)
     bare = model
@@ -227,9 +228,11 @@ def train_fabric(
 ) -> Run:
     from lightning_fabric import Fabric
 
+    threads = torch.get_num_threads()  # what the launch gives every contestant's ranks
     strategy = "ddp" if world_size > 1 else "auto"
     fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()  # from a plain `python` command this starts the other ranks
+    torch.set_num_threads(threads)  # Fabric may set its own share the first time
     dataset, model, optimizer = load_train_objs(workload)
     _on_first_step(optimizer, first_step)
     bare = model

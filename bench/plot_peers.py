@@ -17,18 +17,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from matplotlib.ticker import FuncFormatter
-from peers import CONTESTANTS, SYNCBN
+from peers import BF16, CONTESTANTS, SYNCBN, VARIANTS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-ORDER = (*CONTESTANTS, SYNCBN)
+ORDER = (*CONTESTANTS, *VARIANTS)
 COLORS = {
     "hand": "#9e9e9e",
     "ddpkit": "#1f77b4",
     "accelerate": "#ff7f0e",
     "fabric": "#9467bd",
     SYNCBN: "#aec7e8",
+    BF16: "#17becf",
 }
 WIDTH = 0.8  # of one group of bars
 

@@ -1,5 +1,6 @@
-"""The benchmark scripts: bench/peers.py's arithmetic and tables (no processes), a smoke
-run of one small cell, and bench/gpu_check.sh's CPU-side steps.
+"""The benchmark scripts: bench/peers.py's arithmetic and tables (no processes), smoke
+runs of one small cell and of bench/syncbn_cost.py, and bench/gpu_check.sh's CPU-side
+steps.
 
 Accelerate and Lightning Fabric are not needed (CI does not install the `bench` extra):
 the smoke run has only the hand-written loop and ddpkit.
@@ -221,6 +222,22 @@ def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
     assert ours["same_model_as_hand"]  # same data order, same math: the same model
     assert row["ddpkit_vs"]["hand"]["ratio"] == pytest.approx(ours["median"] / hand["median"])
     assert "Checks: all contestants ran what they should" in proc.stdout
+
+
+def test_syncbn_cost_smoke_run(tmp_path: Path) -> None:
+    out = tmp_path / "syncbn.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "syncbn_cost.py"), "--rounds", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["ms_per_step"]) == {"plain", "ddpkit", "sums"}
+    assert doc["ratio_to_plain"]["plain"] == 1.0 and all(v > 0 for v in doc["ms_per_step"].values())
+    assert "ddpkit / sums:" in proc.stdout and not out.with_suffix(".part").exists()
 
 
 @pytest.mark.slow

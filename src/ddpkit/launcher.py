@@ -125,7 +125,7 @@ def _threads() -> int:
 _IMPORT_THREADS = _threads()
 
 
-def start_method(requested: StartMethod = "auto") -> str:
+def start_method(requested: StartMethod = "auto", backend: str = "gloo") -> str:
     """How `launch` starts workers: "fork" where that is safe, else "spawn".
 
     A forked worker starts in milliseconds with torch already imported; a spawned one
@@ -133,12 +133,15 @@ def start_method(requested: StartMethod = "auto") -> str:
     competing for the cores). Fork is safe only while this process has started no
     thread since torch was imported: fork copies the calling thread alone, and a
     lock another thread held stays locked in the child (an OpenMP pool after a
-    parallel op, a store's server, a logger's thread). Nor may it have initialised
-    CUDA, which a forked child can no longer use. Linux only.
+    parallel op, a store's server, a logger's thread). Linux only, and CPU jobs only:
+    a forked child cannot use CUDA once the parent has initialised it, and counting
+    the GPUs (which `launch` does) already initialises the driver.
     """
     if requested != "auto":
         return requested
-    if sys.platform != "linux" or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if sys.platform != "linux" or backend == "nccl":
+        return "spawn"
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         return "spawn"
     if threading.active_count() > 1 or not 0 < _threads() <= _IMPORT_THREADS:
         return "spawn"
@@ -201,8 +204,8 @@ def launch(
             this process, which passes it on, or any worker.
         start: how workers start: "auto" forks them from this process (torch already
             imported: the first step comes seconds sooner) when that is safe, that is
-            on Linux with no thread started since ddpkit was imported and no CUDA
-            context; otherwise "spawn" starts fresh interpreters, as `mp.spawn` does.
+            a CPU job on Linux with no thread started since ddpkit was imported;
+            otherwise "spawn" starts fresh interpreters, as `mp.spawn` does.
 
     Returns:
         What `fn` returned on rank 0.
@@ -317,7 +320,7 @@ def _spawn(
     start: StartMethod,
 ) -> T:
     _check_picklable(fn)
-    method = start_method(start)
+    method = start_method(start, backend)
     mp: Any = multiprocessing.get_context(method)
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
