@@ -201,18 +201,18 @@ def test_peers_names_the_extra_when_the_peers_are_missing(
 
 
 @pytest.mark.slow
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a bench script as a user would; it must succeed."""
+    cmd = [sys.executable, str(BENCH / script), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
 def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     args = ["--contestants", "hand,ddpkit", "--workloads", "seed", "--nprocs", "2"]
-    args += ["--start-workloads", "seed", "--quick", "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "peers.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _bench("peers.py", *args, "--start-workloads", "seed", "--quick", "--out", str(out))
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
     hand, ours = row["contestants"]["hand"], row["contestants"]["ddpkit"]
@@ -226,14 +226,7 @@ def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
 
 def test_syncbn_cost_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "syncbn.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "syncbn_cost.py"), "--rounds", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _bench("syncbn_cost.py", "--rounds", "1", "--out", str(out))
     doc = json.loads(out.read_text())
     assert set(doc["ms_per_step"]) == {"plain", "ddpkit", "sums"}
     assert doc["ratio_to_plain"]["plain"] == 1.0 and all(v > 0 for v in doc["ms_per_step"].values())
