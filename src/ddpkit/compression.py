@@ -1,9 +1,10 @@
 """Gradient compression for DDP: all-reduce gradients in bfloat16, on any backend.
 
 PyTorch's own `bf16_compress_hook` refuses to run without NCCL or XCCL (DDP checks a
-hook by its name, so this one has another); this one only needs a backend that can sum bfloat16 tensors (gloo, NCCL). Half the bytes cross the
-network, which pays where the all-reduce, not the arithmetic, limits a step; the price
-is that every averaged gradient is rounded to bfloat16's 8 significant bits.
+hook by its name, so this one has another); this one only needs a backend that can
+sum bfloat16 tensors (gloo, NCCL). Half the bytes cross the network, which pays where
+the all-reduce, not the arithmetic, limits a step; the price is that every averaged
+gradient is rounded to bfloat16's 8 significant bits.
 """
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations as objects.
