@@ -62,6 +62,12 @@ class TrainConfig:
     """Seeds Python, NumPy and torch on every rank, and the order of the data."""
     save_every: int = _opt(1, "checkpoint every N epochs (0: only after the last)", ge=0)
     """Epochs between checkpoints; one is also written after the last epoch."""
+    save_every_steps: int = _opt(
+        0, "also checkpoint every N optimizer steps (0: never mid-epoch)", ge=0, example=500
+    )
+    """Optimizer steps between checkpoints, counted over the whole run, for epochs too
+    long to lose; 0 checkpoints only at epoch ends (`save_every`). A run resumed from a
+    mid-epoch checkpoint continues with the next batch."""
     checkpoint_dir: str | None = _opt(
         None, "folder for checkpoints (none written without it)", example="DIR"
     )
