@@ -19,7 +19,7 @@ def _result(proc: Any) -> dict[str, Any]:
 @pytest.mark.slow
 def test_default_job_trains_digits_on_every_core_to_95_percent() -> None:
     out = _result(run_cli("train", "--json"))
-    assert out["example"] == "digits" and out["nproc"] >= 1
+    assert out["job"] == "digits" and out["nproc"] >= 1
     assert out["test_accuracy"] >= 0.95
     for key in (
         "epochs",
@@ -91,6 +91,19 @@ def test_help_and_version() -> None:
     assert run_cli("--version").stdout.startswith("ddpkit ")
 
 
+def test_help_shows_the_defaults_of_the_job_it_names(tmp_path: Path) -> None:
+    (tmp_path / "job20.py").write_text('DEFAULTS = {"epochs": 20}\ndef build(ctx): ...\n')
+    spec = f"{tmp_path / 'job20.py'}:build"
+    for command in ("train", "verify"):
+        out = run_cli(command, "--job", spec, "--help")
+        assert out.returncode == 0, out.stderr
+        text = "".join(out.stdout.split())  # argparse wraps the help lines, even a path
+        assert "(default:20,from" + spec.replace(" ", "") in text or command == "verify"
+        assert "micro-batch(default:32)" in text  # batch_size: the job leaves TrainConfig's
+    out = run_cli("train", "-h")  # no job named: the default job's, digits
+    assert "epochs to train (default: 10, from digits)" in " ".join(out.stdout.split())
+
+
 JOB = """
 import torch
 from torch import nn
@@ -135,7 +148,7 @@ def test_own_job_with_a_toml_config_trains_logs_and_plots(tmp_path: Path) -> Non
         "--json",
     )  # the flag beats the file
     result = _result(out)
-    assert result["epochs"] == 2 and result["example"] == f"{job}:build"
+    assert result["epochs"] == 2 and result["job"] == f"{job}:build"
     assert result["global_step"] == 2 * 8  # 128 / (4 x 2 micro-batches x 2 ranks)
     assert result["test_accuracy"] is not None
     run = tmp_path / "run"

@@ -24,7 +24,17 @@ OVERSUBSCRIBE_LIMIT = 4
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:
-    """--example / --job and --config: which job, with which TrainConfig file."""
+    """--example / --job and --config: which job, with which TrainConfig file; and -h,
+    whose help shows the defaults of that job (see `print_job_help`). Make `p` with
+    `add_help=False`."""
+    p.add_argument(
+        "-h",
+        "--help",
+        dest="job_help",
+        action="store_true",
+        help="show this help, with the defaults of the job that --job or --example names",
+    )
+    p.set_defaults(parser=p)
     job = p.add_mutually_exclusive_group()
     job.add_argument("--example", help="built-in job: digits (the default) or seed")
     job.add_argument(
@@ -60,6 +70,31 @@ def add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
             choices = typing.get_args(kind)  # a Literal's; () for int, float, str
             metavar = "{" + ",".join(choices) + "}" if choices else None
             options.add_argument(flag, default=None, metavar=metavar, help=help_)
+
+
+def print_job_help(args: argparse.Namespace) -> int:
+    """Print the parser's help with each option's default as the named job sets it.
+
+    argparse prints help while it parses, before it knows which job `--job` names, so
+    `-h` only sets a flag and the help is printed here, once the job's DEFAULTS (which
+    override TrainConfig's) are known."""
+    from ddpkit.job import example_module
+    from ddpkit.jobspec import load_job
+
+    if args.job:
+        job, defaults = args.job, load_job(args.job)[1]
+    else:
+        job = args.example or "digits"
+        defaults = dict(example_module(job).DEFAULTS)
+    parser: argparse.ArgumentParser = args.parser
+    for action in parser._actions:  # argparse has no public way to change a help text
+        if action.dest in defaults and action.help:
+            ours = f" (default: {TrainConfig.__dataclass_fields__[action.dest].default})"
+            action.help = action.help.replace(
+                ours, f" (default: {defaults[action.dest]}, from {job})"
+            )
+    parser.print_help()
+    return 0
 
 
 def _flag_values(args: argparse.Namespace) -> dict[str, Any]:

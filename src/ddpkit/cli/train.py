@@ -22,6 +22,7 @@ from ddpkit.cli.flags import (
     add_oversubscribe_flag,
     check_processes,
     job_and_config,
+    print_job_help,
 )
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, Preempted
@@ -31,7 +32,9 @@ HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
 
 def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("train", help=HELP, description=HELP)
+    p: argparse.ArgumentParser = sub.add_parser(
+        "train", help=HELP, description=HELP, add_help=False
+    )
     add_job_flags(p)
     p.add_argument(
         "--nproc",
@@ -73,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.context import DistContext
     from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
 
+    if args.job_help:
+        return print_job_help(args)
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
     job_name, config = job_and_config(args)
     backend = resolve_backend(args.backend)
@@ -157,7 +162,7 @@ def train_worker(ctx: Any, job_name: str, config: Any) -> dict[str, Any]:
     trainer = build_job(ctx, job_name, config).trainer(ctx, config)
     fit = trainer.fit()
     return {
-        "example": job_name,
+        "job": job_name,  # the --example name or --job spec
         "epochs": fit.epochs,
         "global_step": fit.global_step,
         "samples_per_s": round(fit.samples_per_s, 1),

@@ -34,6 +34,7 @@ HELP = "check that N ranks compute what 1 process computes, or that resume is ex
 def add_parser(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "verify",
+        add_help=False,
         help=HELP,
         description=(
             "Equivalence (the default): run the job for --steps optimizer steps as --nproc "
@@ -70,9 +71,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.cli.flags import job_and_config
+    from ddpkit.cli.flags import job_and_config, print_job_help
     from ddpkit.verification import verify
 
+    if args.job_help:
+        return print_job_help(args)
     job, config = job_and_config(args)
     check_processes("--nproc", args.nproc, allow=args.allow_oversubscribe)  # CPU ranks only
     check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
