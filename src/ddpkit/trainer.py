@@ -61,6 +61,8 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 # Steps enter a few contexts that are mostly no-ops: share one instead of making many.
 _NOTHING = contextlib.nullcontext()
+# Seconds between updates of the progress bar's loss (each costs a host sync).
+_BAR_SECONDS = 1.0
 
 
 @dataclass
@@ -214,6 +216,10 @@ class Trainer:
         self.epoch = 0  # the epoch running, or the next one to run
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
+        # Training samples seen, all ranks together: exact at epoch ends; between them,
+        # this rank's count times the ranks (shards of equal length).
+        self.samples_seen = 0
+        self._seen_before_epoch = 0
         self.should_stop = False
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
@@ -270,6 +276,7 @@ class Trainer:
     def _epochs(self) -> FitResult:
         cfg = self.config
         runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
+        self.say(self._start_line())
         self._call("on_fit_start")
         samples, train_time, loss = 0, 0.0, math.nan
         metrics: dict[str, float] = {}
@@ -280,6 +287,7 @@ class Trainer:
                 self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
                 loss, n, seconds = self._train_epoch(epoch, runlog)
                 samples, train_time = samples + n, train_time + seconds
+                self.samples_seen = self._seen_before_epoch + n
                 self.epoch, self.batch = epoch + 1, 0
                 if self.scheduler is not None and cfg.scheduler_interval == "epoch":
                     self.scheduler.step()
@@ -288,6 +296,7 @@ class Trainer:
                     "samples": n,
                     "samples_per_s": n / max(seconds, 1e-9),
                     "lr": self._lr(),
+                    "samples_seen": self.samples_seen,
                 }
                 if self.eval_loader is not None:
                     metrics.update(self.evaluate())
@@ -338,7 +347,13 @@ class Trainer:
         if self._resume_rng is not None:  # after the skip, which may draw random numbers
             set_rng_state(self._resume_rng)
             self._resume_rng = None
-        progress = self._progress(batch_iter, epoch, None if total is None else total - skip)
+        self._seen_before_epoch = self.samples_seen
+        progress = self._open_bar(
+            batch_iter,
+            f"epoch {epoch + 1}/{self.config.epochs}",
+            total,
+            initial=skip,
+        )
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
         if runlog.active or self._bar is not None:
@@ -349,30 +364,34 @@ class Trainer:
             else _fixed_groups(progress, self.config.accumulate, skip, total)
         )
         start = time.perf_counter()
-        for batch, (num, den), step_now, position in micro_batches:
-            size_b = count_samples(batch)
-            batch = to_device(batch, device)
-            dummy = num == 0
-            if dummy:  # no data left here: take part in the step, change nothing
-                model.eval()
-            with self._no_sync(not step_now), self._autocast():
-                loss, _ = self._loss(model, batch)
-            scaled = loss * num if num != 1 else loss
-            self._backward(scaled / den if den != 1 else scaled)
-            if dummy:
-                model.train()
-            else:
-                loss_sum.add_(loss.detach().float(), alpha=size_b)
-                count += size_b
-                if window is not None:
-                    window.add(loss.detach(), size_b)
-            if step_now:
-                self.batch = position  # where a checkpoint written now resumes
-                self._optimizer_step(window)
-                self._after_step(window, runlog, epoch)
-                signum = self._vote.step() if self._vote is not None else 0
-                if signum:  # every rank, after this same step
-                    raise Preempted(self.save(), self.global_step, signum)
+        try:
+            for batch, (num, den), step_now, position in micro_batches:
+                size_b = count_samples(batch)
+                batch = to_device(batch, device)
+                dummy = num == 0
+                if dummy:  # no data left here: take part in the step, change nothing
+                    model.eval()
+                with self._no_sync(not step_now), self._autocast():
+                    loss, _ = self._loss(model, batch)
+                scaled = loss * num if num != 1 else loss
+                self._backward(scaled / den if den != 1 else scaled)
+                if dummy:
+                    model.train()
+                else:
+                    loss_sum.add_(loss.detach().float(), alpha=size_b)
+                    count += size_b
+                    if window is not None:
+                        window.add(loss.detach(), size_b)
+                if step_now:
+                    self.batch = position  # where a checkpoint written now resumes
+                    self.samples_seen = self._seen_before_epoch + count * self.ctx.world_size
+                    self._optimizer_step(window)
+                    self._after_step(window, runlog, epoch)
+                    signum = self._vote.step() if self._vote is not None else 0
+                    if signum:  # every rank, after this same step
+                        raise Preempted(self.save(), self.global_step, signum)
+        finally:  # also on Ctrl-C: no half-drawn bar left on the screen
+            self._close_bar()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - start
@@ -441,16 +460,21 @@ class Trainer:
     def _after_step(self, window: _Window | None, runlog: RunLog, epoch: int) -> None:
         if self.callbacks:
             self._call("on_step_end", self.global_step)
-        if window is None or self.global_step % self.config.log_every:
+        every = self.config.save_every_steps
+        if every and self.config.checkpoint_dir and self.global_step % every == 0:
+            self.save()  # every rank, after the same step
+        if window is None:
             return
-        # One host sync per log interval, on rank 0 only: no rank waits for another.
-        values = window.flush()
-        values.update(epoch=epoch, lr=self._lr())
-        runlog.write("step", self.global_step, values)
-        if self._bar is not None:
-            self._bar.set_postfix(
-                loss=f"{values['loss']:.4f}", samples_s=f"{values['samples_per_s']:,.0f}"
-            )
+        if self.global_step % self.config.log_every == 0:
+            # One host sync per log interval, on rank 0 only: no rank waits for another.
+            values = window.flush()
+            values.update(epoch=epoch, lr=self._lr(), samples_seen=self.samples_seen)
+            runlog.write("step", self.global_step, values)
+        if self._bar is not None and time.perf_counter() >= self._bar_due:
+            # The bar's numbers cost a host sync too: at most one a second.
+            loss, rate = window.peek()
+            self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}", refresh=False)
+            self._bar_due = time.perf_counter() + _BAR_SECONDS
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -467,21 +491,24 @@ class Trainer:
         device = self.ctx.device
         sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
         count, classify = 0, False
-        for batch in self.eval_loader:
-            n = count_samples(batch)
-            batch = to_device(batch, device)
-            with self._autocast():
-                loss, outputs = self._loss(model, batch)
-                values = dict(self.metrics_fn(model, batch)) if self.metrics_fn else {}
-            values["loss"] = loss
-            targets = batch[1] if self.training_step is None and is_pair(batch) else None
-            if _class_logits(outputs, targets):
-                classify = True
-                values["accuracy"] = (outputs.argmax(dim=1) == targets).float().mean()
-            for name, value in values.items():
-                weighted = torch.as_tensor(value, device=device).detach().double() * n
-                sums[name] = sums[name] + weighted if name in sums else weighted
-            count += n
+        try:
+            for batch in self._open_bar(self.eval_loader, "eval", _length(self.eval_loader)):
+                n = count_samples(batch)
+                batch = to_device(batch, device)
+                with self._autocast():
+                    loss, outputs = self._loss(model, batch)
+                    values = dict(self.metrics_fn(model, batch)) if self.metrics_fn else {}
+                values["loss"] = loss
+                targets = batch[1] if self.training_step is None and is_pair(batch) else None
+                if _class_logits(outputs, targets):
+                    classify = True
+                    values["accuracy"] = (outputs.argmax(dim=1) == targets).float().mean()
+                for name, value in values.items():
+                    weighted = torch.as_tensor(value, device=device).detach().double() * n
+                    sums[name] = sums[name] + weighted if name in sums else weighted
+                count += n
+        finally:
+            self._close_bar()
         model.train(was_training)
         # Every rank reduces the same names in the same order, even one with no batch.
         names = ["loss", *(self._metric_names(sums)), "accuracy"]
@@ -517,6 +544,7 @@ class Trainer:
             "epoch": self.epoch,
             "batch": self.batch,
             "global_step": self.global_step,
+            "samples_seen": self.samples_seen,
             "should_stop": self.should_stop,
             "config": self.config.to_dict(),
         }
@@ -566,6 +594,7 @@ class Trainer:
             cb.load_state_dict(cb_state)
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.batch = int(state.get("batch", 0))
+        self.samples_seen = int(state.get("samples_seen", 0))  # 0: older checkpoints
         self.should_stop = bool(state.get("should_stop", False))
         rngs = state.get("rng") or []
         if len(rngs) == self.ctx.world_size:
@@ -660,23 +689,56 @@ class Trainer:
             parts.append(f"accuracy {metrics['accuracy']:.2%}")
         self.say(" | ".join(parts))
 
-    _bar: Any = None
+    def _start_line(self) -> str:
+        """How the run trains, in one line: processes, device, precision, batches, folders."""
+        cfg, ctx = self.config, self.ctx
+        per_step = cfg.batch_size * cfg.accumulate * ctx.world_size
+        how = f"{cfg.batch_size} per rank"
+        if cfg.accumulate > 1:
+            how += f" x {cfg.accumulate} accumulated"
+        procs = f"{ctx.world_size} process{'es' if ctx.world_size > 1 else ''}"
+        parts = [
+            f"training: {procs} ({ctx.backend}, {ctx.device.type})",
+            f"{cfg.strategy}",
+            f"precision {cfg.precision}",
+            f"batch {how}, {per_step} per step",
+            f"checkpoints {cfg.checkpoint_dir or 'off (no --checkpoint-dir)'}",
+        ]
+        if cfg.run_dir:
+            parts.append(f"run log {cfg.run_dir}")
+        return ", ".join(parts)
 
-    def _progress(self, loader: Iterable[Any], epoch: int, total: int | None) -> Iterable[Any]:
+    _bar: Any = None
+    _bar_due = 0.0
+
+    def _open_bar(
+        self, loader: Iterable[Any], desc: str, total: int | None, initial: int = 0
+    ) -> Iterable[Any]:
+        """`loader`, drawn as a progress bar on rank 0 when `config.progress` asks for
+        one (by default: when stdout is a terminal)."""
         self._bar = None
         show = self.config.progress
         if show is None:
             show = sys.stdout.isatty()
         if not (show and self.ctx.is_main):
             return loader
-        try:
-            from tqdm import tqdm
-        except ImportError:  # the bar is a nicety: pip install 'ddpkit[progress]'
-            return loader
+        from tqdm import tqdm
+
+        self._bar_due = time.perf_counter() + _BAR_SECONDS
         self._bar = tqdm(
-            loader, desc=f"epoch {epoch + 1}", total=total, leave=False, dynamic_ncols=True
+            loader,
+            desc=desc,
+            total=total,
+            initial=initial,  # a resumed epoch shows the batches it had trained
+            leave=False,
+            dynamic_ncols=True,
         )
         return cast(Iterable[Any], self._bar)
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()  # leave=False: the bar is erased
+            self._bar = None
 
 
 class _Window:
@@ -689,10 +751,18 @@ class _Window:
         self.samples = 0
         self.start = time.perf_counter()
         self.grad_norm: torch.Tensor | None = None
+        self.last = (math.nan, 0.0)  # what peek() gives before the first batch
 
     def add(self, loss: torch.Tensor, n: int) -> None:
         self.loss.add_(loss.float(), alpha=n)
         self.samples += n
+
+    def peek(self) -> tuple[float, float]:
+        """(mean loss, samples/s) since the last flush, or as of it when none since."""
+        if self.samples:
+            seconds = max(time.perf_counter() - self.start, 1e-9)
+            self.last = float(self.loss) / self.samples, self.samples * self.world_size / seconds
+        return self.last
 
     def flush(self) -> dict[str, Any]:
         now = time.perf_counter()
@@ -701,6 +771,7 @@ class _Window:
             "samples_per_s": self.samples * self.world_size / max(now - self.start, 1e-9),
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
         }
+        self.last = values["loss"], values["samples_per_s"]
         self.loss.zero_()
         self.samples, self.start, self.grad_norm = 0, now, None
         return values
