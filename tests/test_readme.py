@@ -1,28 +1,132 @@
-"""The README's Python examples run as written."""
+"""The README's examples run as written.
+
+Every fenced block of the README is accounted for here:
+- ```python blocks run as scripts, except those whose first line names a file
+  (`# myjob.py`): those, like ```toml blocks that name one (`# job.toml`), are written
+  under that name, and the README's commands that use them run beside them;
+- ```sh blocks run command by command, as the README gives them (`ddpkit ...` as
+  `python -m ddpkit ...` of this Python); the few parts that are not run say why in
+  `_NOT_RUN`;
+- ```console blocks run their `$ ` commands and compare what they print;
+- ```diff is the port of the tutorial's script, run by its own test below;
+- untagged blocks are usage synopses and sample output, ```yaml is a pre-commit
+  configuration for other repositories: nothing to run.
+"""
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+README = (ROOT / "README.md").read_text()
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    body: str
+    line: int  # where its opening fence is, 1-based
+
+    @property
+    def file_name(self) -> str | None:
+        """The file the README asks to save this block as (`# myjob.py` on its first line)."""
+        first = self.body.split("\n", 1)[0]
+        match = re.fullmatch(r"# ([\w.-]+\.(?:py|toml))", first)
+        return match.group(1) if match else None
+
+    def __str__(self) -> str:
+        return f"README.md:{self.line} ({self.lang or 'untagged'})"
+
+
+def _blocks(text: str) -> list[Block]:
+    return [
+        Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M)
+    ]
+
+
+BLOCKS = _blocks(README)
+SCRIPTS = [b for b in BLOCKS if b.lang == "python" and b.file_name is None]
+FILES = {b.file_name: b.body for b in BLOCKS if b.lang in ("python", "toml") and b.file_name}
+SHELL = [b for b in BLOCKS if b.lang == "sh"]
+CONSOLE = [b for b in BLOCKS if b.lang == "console"]
+
+# Parts of the README's shell commands that the test does not run, and why. The test
+# runs inside the virtual environment that these commands create, with ddpkit installed.
+_NOT_RUN = {
+    "python3 -m venv .venv": "makes the virtual environment that this test already runs in",
+    ".venv/bin/pip install": "installs into it: CI runs the same install in .ci/run",
+    ".venv/bin/python -m pytest": "the test suite itself: .ci/run runs it "
+    "(test_ci_runs_the_readme_test_command checks that it is the README's command)",
+}
+
+
+def _commands(block: Block) -> list[list[str]]:
+    """The commands of a shell block to run, as argument lists, in order."""
+    commands = []
+    for line in block.body.splitlines():
+        for part in line.split("&&"):
+            words = shlex.split(part, comments=True)
+            if not words or any(part.strip().startswith(skip) for skip in _NOT_RUN):
+                continue
+            program = words[0].removeprefix(".venv/bin/")
+            assert program == "ddpkit", f"{block}: add how to run (or why not) {part.strip()!r}"
+            commands.append([sys.executable, "-m", "ddpkit", *words[1:]])
+    return commands
+
+
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def test_readme_has_examples() -> None:
-    assert len(BLOCKS) >= 2
+    assert len(SCRIPTS) >= 2
+    assert {"myjob.py", "job.toml"} <= set(FILES)
+
+
+def test_every_block_is_one_the_tests_know() -> None:
+    for block in BLOCKS:
+        assert block.lang in ("python", "toml", "sh", "console", "diff", "yaml", ""), block
+        if block.lang == "toml":
+            assert block.file_name, f"{block}: start it with the file's name, # NAME.toml"
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """The README's second command (the tests) is the one .ci/run runs."""
+    install, tests = SHELL[0], SHELL[1]
+    assert "ddpkit train" in install.body
+    command = tests.body.strip()
+    assert command.endswith("-m pytest"), command
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_checkpoint_names_are_as_written() -> None:
+    """Checkpoints are `ckpt-000000069.pt` (the step, 9 digits): no `ckpt-<step>.pt`."""
+    assert "ckpt-<" not in README
+    for name in re.findall(r"ckpt-\d+\.(?:pt|dcp)", README):
+        assert re.fullmatch(r"ckpt-\d{9}\.(?:pt|dcp)", name), name
+
+
+def test_relative_links_exist() -> None:
+    for target in re.findall(r"\]\(([^)#\s]+)\)", README):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.mark.parametrize("index", range(len(SCRIPTS)))
 def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
-    script.write_text(BLOCKS[index])
+    script.write_text(SCRIPTS[index].body)
     out = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
     )
@@ -30,9 +134,88 @@ def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     assert out.stdout.strip()
 
 
+def _check_resume_gives_the_same_model(results: list[dict[str, object]], cwd: Path) -> None:
+    # "digest A" twice (the runs with --json): the resumed run ends with the
+    # uninterrupted run's model.
+    straight, resumed = results
+    assert straight["model_digest"] == resumed["model_digest"]
+    assert straight["global_step"] == resumed["global_step"]
+
+
+def _check_two_runs_and_their_plots(results: list[dict[str, object]], cwd: Path) -> None:
+    for run in ("bf16", "fp32"):
+        assert (cwd / "runs" / run / "metrics.jsonl").is_file()
+        names = [p.name for p in (cwd / "runs" / run / "ckpt").glob("ckpt-*")]
+        assert names and all(re.fullmatch(r"ckpt-\d{9}\.pt", n) for n in names), names
+    config = json.loads((cwd / "runs" / "bf16" / "config.json").read_text())
+    assert config["precision"] == "bf16" and config["accumulate"] == 4  # from job.toml
+    assert json.loads((cwd / "runs" / "fp32" / "config.json").read_text())["precision"] == "32"
+    assert (cwd / "plots" / "loss.png").is_file()
+
+
+# What each shell block's commands must have done, beyond exiting 0; keyed by a line
+# of the block. A block without an entry only has to run.
+_CHECKS = {
+    "--resume --json": _check_resume_gives_the_same_model,
+    "ddpkit plot runs/bf16 runs/fp32": _check_two_runs_and_their_plots,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SHELL)))
+def test_readme_shell_block_runs(index: int, tmp_path: Path) -> None:
+    """Run the block's commands in order in an empty folder that holds the files the
+    README names (myjob.py, job.toml), as a reader who saved them would."""
+    block = SHELL[index]
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    commands = _commands(block)
+    if not commands:
+        pytest.skip(f"{block}: nothing to run here: " + "; ".join(_NOT_RUN.values()))
+    results: list[dict[str, object]] = []
+    for command in commands:
+        out = _run(command, tmp_path)
+        assert out.returncode == 0, f"{block}: {shlex.join(command[2:])}\n{out.stderr}"
+        if "--json" in command:
+            results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for key, check in _CHECKS.items():
+        if key in block.body:
+            check(results, tmp_path)
+
+
+def _label(line: str) -> str:
+    """What a line of sample output says, without its numbers: `PASS  equivalence`,
+    `largest difference`, `likely cause: BatchNorm not synchronised`."""
+    head, _, rest = line.strip().partition(":")
+    return head if head != "likely cause" else f"{head}:{rest.split(':')[0]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(CONSOLE)))
+def test_readme_console_block_prints_what_it_shows(index: int, tmp_path: Path) -> None:
+    """Each `$ ` command runs and prints what the README shows: its first line as
+    written, then lines that say the same things (the digits of a float64 difference
+    depend on the torch build, so they are not compared)."""
+    sessions: list[tuple[str, list[str]]] = []
+    for line in CONSOLE[index].body.splitlines():
+        if line.startswith("$ "):
+            sessions.append((line[2:], []))
+        else:
+            sessions[-1][1].append(line)
+    assert sessions
+    for command, shown in sessions:
+        words = shlex.split(command)
+        assert words[0] == "ddpkit", command
+        out = _run([sys.executable, "-m", "ddpkit", *words[1:]], tmp_path)
+        printed = out.stdout.strip().splitlines()
+        assert out.returncode == (0 if shown[0].startswith("PASS") else 1), out.stderr
+        assert printed[0] == shown[0]
+        assert [_label(line) for line in printed[1:]] == [_label(line) for line in shown[1:]]
+
+
 def _port_versions() -> tuple[str, str, int]:
     """(the one-GPU script, its ddpkit version, lines changed) from the README's diff."""
-    (diff,) = re.findall(r"```diff\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    (diff,) = [b.body for b in BLOCKS if b.lang == "diff"]
     old, new, changed = [], [], 0
     for line in diff.splitlines():
         mark, text = line[:1], line[1:]
@@ -53,8 +236,7 @@ def _port_versions() -> tuple[str, str, int]:
 def test_the_ported_script_runs_and_changes_at_most_15_lines(tmp_path: Path) -> None:
     old, new, changed = _port_versions()
     compile(old, "single_gpu.py", "exec")  # the "before" is a whole, valid script
-    readme = (ROOT / "README.md").read_text()
-    assert changed <= 15 and f"with {changed} changed lines" in readme
+    assert changed <= 15 and f"with {changed} changed lines" in README
     script = tmp_path / "train.py"
     script.write_text(new)
     out = subprocess.run(

@@ -189,7 +189,9 @@ def load_state(
             or one file (an existing file, or a path ending in `.pt`).
         ctx: this rank's `DistContext`.
         model: the model, bare or wrapped.
-        optimizer, scheduler, scaler: as given to `save_state`.
+        optimizer: as given to `save_state`.
+        scheduler: as given to `save_state`.
+        scaler: as given to `save_state`.
         loader: the training loader, as given to `save_state`.
 
     Returns:

@@ -88,6 +88,7 @@ class Trainer:
 
     A batch may be any nesting of tensors, tuples, lists, dicts and dataclasses; it is
     moved to the device as it is. Its loss, the mean over the batch, is:
+
     - `training_step(model, batch)` when you give one;
     - for an `(inputs, targets)` pair, `loss_fn(model(inputs), targets)`;
     - for a dict, `model(**batch)`, which returns its own loss (`outputs.loss`,
