@@ -44,6 +44,12 @@ def test_seed_job_resumed_after_two_epochs_matches_four_straight(tmp_path: Path)
     assert out["model_digest"] == straight["model_digest"]
     assert out["global_step"] == straight["global_step"] == 4 * 32  # 2048 / (32 x 2)
     assert out["test_accuracy"] is None and out["checkpoint"].endswith("ckpt-000000128.pt")
+    again = run_cli(
+        *common[:-1], "--epochs", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume"
+    )
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[-1].startswith("already finished at epoch 4 (step 128, ")
+    assert "nan" not in again.stdout
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import pytest
 import torch
@@ -46,6 +47,13 @@ def _workers(parent: int) -> list[int]:
     return [p for p in pids if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
+def _line_after_start(stdout: IO[str]) -> str:
+    """The line after the Trainer's start line ("training: 2 processes ...")."""
+    line = stdout.readline()
+    assert line.startswith("training: "), line
+    return stdout.readline()
+
+
 def _interrupt(folder: Path, rng: random.Random, target: str) -> int:
     """Start the job, SIGTERM its launcher, one worker or every process (as SLURM does)
     at a random moment of training, and return its exit status once every process of
@@ -58,7 +66,7 @@ def _interrupt(folder: Path, rng: random.Random, target: str) -> int:
         start_new_session=True,  # a process group of its own, for "every process"
     )
     assert proc.stdout is not None
-    first = proc.stdout.readline()  # the first epoch line: training has started
+    first = _line_after_start(proc.stdout)  # the first epoch line: training has started
     assert first.startswith("epoch 1/"), first + proc.communicate()[1]
     started = time.monotonic()
     second = proc.stdout.readline()
@@ -203,7 +211,7 @@ def test_ddpkit_run_saves_on_a_signal_and_resumes(
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script), folder]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    assert proc.stdout.readline().startswith("epoch 1/")
+    assert _line_after_start(proc.stdout).startswith("epoch 1/")
     found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     workers = [int(p) for p in found.stdout.split()]
     assert len(workers) == 2
@@ -226,7 +234,7 @@ def test_ctrl_c_saves_and_says_how_to_continue(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "ddpkit", *SEED_JOB, "--checkpoint-dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    assert proc.stdout.readline().startswith("epoch 1/")
+    assert _line_after_start(proc.stdout).startswith("epoch 1/")
     workers = _workers(proc.pid)
     os.kill(proc.pid, signal.SIGINT)  # a terminal sends it to all; the workers ignore it
     _, err = proc.communicate(timeout=60)
@@ -304,10 +312,38 @@ def test_the_sbatch_command_saves_on_usr1_and_its_requeued_run_resumes(
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().startswith("no checkpoint in")  # the first run
-    assert proc.stdout.readline().startswith("epoch 1/")
+    assert _line_after_start(proc.stdout).startswith("epoch 1/")
     os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT, err
     assert err.count("ddpkit: stopped by SIGTERM after step") == 1, err  # said once
     requeued = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert _digest(requeued) == straight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["with-checkpoints", "without"])
+def test_ctrl_c_that_stops_at_once_names_the_newest_checkpoint_or_says_none(
+    tmp_path: Path, checkpoints: bool
+) -> None:
+    folder = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "ddpkit", *SEED_JOB, "--on-signal", "stop"]
+    if checkpoints:
+        cmd += ["--checkpoint-dir", str(folder)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert _line_after_start(proc.stdout).startswith("epoch 1/")
+    assert proc.stdout.readline().startswith("epoch 2/")  # epoch 1's checkpoint is written
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    if checkpoints:
+        newest = sorted(folder.glob("ckpt-*.pt"))[-1]
+        assert last.startswith(f"ddpkit: interrupted; the newest checkpoint is {newest}; ")
+        assert last.endswith(f"--checkpoint-dir {folder} --resume"), last
+    else:
+        assert last == (
+            "ddpkit: interrupted; nothing was saved (no --checkpoint-dir): "
+            "pass --checkpoint-dir DIR to resume later"
+        )

@@ -109,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
     except Preempted as exc:
         if RUN_WORKER in os.environ:
             raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
-        again = [*sys.argv[1:], *([] if config.resume else ["--resume"])]
-        print(f"ddpkit: {exc}\nddpkit: to continue: ddpkit {shlex.join(again)}", file=sys.stderr)
+        print(f"ddpkit: {exc}\nddpkit: to continue: {_resume_command(config)}", file=sys.stderr)
         return PREEMPTED_EXIT
+    except KeyboardInterrupt:
+        # Stopped before the job could save (or with --on-signal stop): say what is left.
+        print(f"ddpkit: interrupted; {_what_is_saved(config)}", file=sys.stderr)
+        return 130
     if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
         if os.environ["RANK"] != "0":
             return 0
@@ -119,11 +122,17 @@ def run(args: argparse.Namespace) -> int:
     result["nproc"] = nproc
     if args.json:
         print(json.dumps(result), flush=True)
+    elif result["final_loss"] is None:  # resumed with no epoch left to train
+        print(
+            f"already finished at epoch {result['epochs']} (step {result['global_step']}, "
+            f"{result['checkpoint']}): nothing left to train; pass a larger --epochs to train "
+            f"on, digest {result['model_digest'][:12]}",
+            flush=True,
+        )
     else:
         acc, loss, speed = result["test_accuracy"], result["final_loss"], result["samples_per_s"]
         parts = [f"done: {result['epochs']} epochs", f"{result['global_step']} steps"]
-        if loss is not None:  # None: a resumed run that had nothing left to train
-            parts.append(f"loss {loss:.4f}")
+        parts.append(f"loss {loss:.4f}")
         if acc is not None:
             parts.append(f"test accuracy {acc:.2%}")
         if speed:
@@ -131,6 +140,24 @@ def run(args: argparse.Namespace) -> int:
         parts.append(f"digest {result['model_digest'][:12]}")
         print(", ".join(parts), flush=True)
     return 0
+
+
+def _resume_command(config: Any) -> str:
+    """This command line, with --resume."""
+    again = [*sys.argv[1:], *([] if config.resume else ["--resume"])]
+    return f"ddpkit {shlex.join(again)}"
+
+
+def _what_is_saved(config: Any) -> str:
+    """After an interrupt: the checkpoint a run can go on from, and how; or why none."""
+    from ddpkit.checkpoint import list_checkpoints
+
+    if config.checkpoint_dir is None:
+        return "nothing was saved (no --checkpoint-dir): pass --checkpoint-dir DIR to resume later"
+    saved = list_checkpoints(config.checkpoint_dir)
+    if not saved:
+        return f"no checkpoint was written yet in {config.checkpoint_dir}"
+    return f"the newest checkpoint is {saved[-1]}; to continue from it: {_resume_command(config)}"
 
 
 def check_folder(name: str, path: str) -> None:
