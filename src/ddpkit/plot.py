@@ -2,15 +2,20 @@
 
 A run folder holds `metrics.jsonl`, one JSON object per line. The lines ddpkit plots are
 
-    {"kind": "step", "step": 50, "epoch": 0, "time": 3.2, "loss": 0.41, "samples_per_s": 15300.0}
-    {"kind": "epoch", "step": 230, "epoch": 1, "time": 12.9, "loss": 0.12, "eval_loss": 0.09,
-     "accuracy": 0.981}
+    {"kind": "step", "step": 50, "epoch": 0, "time": 3.2, "samples_seen": 12800, "loss": 0.41,
+     "samples_per_s": 15300.0, "lr": 0.001, "grad_norm": 1.7}
+    {"kind": "epoch", "step": 230, "epoch": 1, "time": 12.9, "samples_seen": 58880, "loss": 0.12,
+     "eval_loss": 0.09, "accuracy": 0.981}
 
 Any field may be missing or null; unknown kinds are ignored, and malformed lines and values
 of plotted fields that are not numbers (text, true/false) are skipped with a warning. NaN,
 infinities and numbers beyond ±1e200 are gaps in the lines. Every numeric field of an epoch
 line that is not one of the bookkeeping or training fields below (`_NOT_EVAL_METRICS`) is an
 eval metric and gets a panel in `eval.png`.
+
+Loss, learning rate, gradient norm and throughput are drawn against one x axis (`X_AXES`): the
+optimizer step, the time since the start, or the samples seen (`samples_seen`, all ranks
+together), which lines up runs of different batch sizes. Eval metrics are drawn per epoch.
 
 matplotlib is an optional extra (`pip install 'ddpkit[plot]'`), imported only by `plot_runs`.
 It draws on its own Agg canvas, never through pyplot, so the caller's backend is untouched.
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["METRICS_FILE", "plot_runs", "read_metrics"]
+__all__ = ["METRICS_FILE", "X_AXES", "plot_runs", "read_metrics"]
 
 log = logging.getLogger("ddpkit")
 
@@ -51,6 +56,7 @@ _NOT_EVAL_METRICS = frozenset(
         "grad_norm",
         "samples_per_s",
         "samples",
+        "samples_seen",
         "eval_loss",
         "eval_samples",
         "eval_time",
@@ -60,40 +66,98 @@ _NOT_EVAL_METRICS = frozenset(
     }
 )
 # The fields drawn besides the eval metrics (every other field of an epoch line).
-_PLOTTED = frozenset({"step", "epoch", "time", "loss", "eval_loss", "samples_per_s"})
+_PLOTTED = frozenset(
+    {
+        "step",
+        "epoch",
+        "time",
+        "samples_seen",
+        "loss",
+        "eval_loss",
+        "samples_per_s",
+        "lr",
+        "grad_norm",
+    }
+)
+# The x axes a chart can be drawn against (fields step, time and samples_seen: `_x_axis`).
+X_AXES = ("step", "time", "samples")
 # Larger numbers are not drawn: matplotlib's axis arithmetic overflows near 1e308.
 _LARGEST = 1e200
 _MISSING_MATPLOTLIB = "ddpkit plot needs matplotlib: pip install 'ddpkit[plot]'"
 _DPI = 110
 # Loss on a log axis when it is positive and spans at least this ratio (max / min).
 _LOG_SCALE_RATIO = 30.0
+# Up to this ratio a log axis has ticks at 1, 2 and 5 of each decade.
+_FEW_DECADES = 1e4
 _SHOWN_BAD_LINES = 5
-# Step lines are many and noisy: thin. Epoch lines are few: big markers, no line.
-# Epoch markers and eval lines are drawn above the step lines (zorder).
-_STEP_LINE: dict[str, Any] = {"linewidth": 1.0, "alpha": 0.8}
+# Each run has a colour, a line style and a marker; the cycles have coprime-ish lengths
+# (10, 4, 7) so that any two of the first 20 runs differ in at least two of the three, and
+# identical runs drawn on top of each other stay visible.
+_LINESTYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+# About this many markers along a long line, so that it stays readable however many points
+# it has (spaced by points, not by distance: a noisy line is long and would get many more).
+_MARKS_PER_LINE = 12
+# Markers on every point of the first run are this much bigger than those of the last run.
+_MARK_GROWTH = 0.6
+# The kinds of series differ in weight, the runs in colour, line style and marker:
+# step lines are many and noisy (thin, small markers), epoch means are few (big markers, no
+# line), eval lines are thick with hollow markers. Epoch and eval points are drawn on top.
+_STEP_LINE: dict[str, Any] = {"linewidth": 1.0, "alpha": 0.8, "markersize": 4}
 _EPOCH_MARKER: dict[str, Any] = {
     "linestyle": "none",
-    "marker": "o",
-    "markersize": 7,
+    "markersize": 8,
     "markeredgecolor": "white",
     "zorder": 3,
 }
 _EVAL_LINE: dict[str, Any] = {
-    "linestyle": "--",
-    "linewidth": 1.8,
-    "marker": "s",
+    "linewidth": 2.0,
     "markersize": 6,
-    "markeredgecolor": "white",
+    "markerfacecolor": "white",
     "zorder": 3,
 }
+# How each kind of series looks in the legend (grey, and with the first run's marker shape).
+_STEP_KEY: dict[str, Any] = {"linewidth": 1.0, "marker": "o", "markersize": 4}
+_EPOCH_KEY: dict[str, Any] = {"linestyle": "none", "marker": "o", "markersize": 8}
+_EVAL_KEY: dict[str, Any] = {
+    "linewidth": 2.0,
+    "marker": "o",
+    "markersize": 6,
+    "markerfacecolor": "white",
+}
+# Lines of eval metrics, learning rate and gradient norm.
+_VALUE_LINE: dict[str, Any] = {"linewidth": 1.6, "markersize": 5}
+# Lines of up to this many points get a marker on every point (they are not dense).
+_ALL_MARKERS = 20
 # Above this many points a step line is a dense band: fainter, so what is on top stays visible.
 _DENSE_POINTS = 400
+
+
+@dataclass(frozen=True)
+class _RunStyle:
+    color: str
+    linestyle: str
+    marker: str
+    mark_offset: float  # where the first sparse marker goes, as a fraction of their spacing
+    mark_scale: float  # size of markers on every point: earlier runs' are bigger, so that
+    # identical runs' markers (same x, same y) show as shapes one inside the other
 
 
 @dataclass(frozen=True)
 class _Run:
     label: str
     records: list[dict[str, Any]]
+    style: _RunStyle
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """An x axis: which field of the records it reads, its label, and the unit it shows."""
+
+    name: str
+    field: str
+    label: str
+    scale: float = 1.0  # values are divided by it (seconds to minutes or hours)
 
 
 Series = tuple[list[float], list[float]]
@@ -176,55 +240,91 @@ def plot_runs(
     out_dir: str | os.PathLike[str],
     *,
     labels: Sequence[str] | None = None,
+    x: str = "step",
 ) -> list[Path]:
-    """Write `loss.png`, `eval.png` and `throughput.png` of the runs into `out_dir`.
+    """Write the charts of the runs into `out_dir`: `loss.png`, `eval.png`, `throughput.png`,
+    `lr.png` (learning rate) and `grad_norm.png` (gradient norm).
 
-    Several runs are overlaid on the same axes, one colour each; the legend names them by
-    their folder's name or by `labels` (one per run, in order). A chart with nothing to show
-    (e.g. `eval.png` of runs without eval metrics) is not written. Returns the paths written.
+    Several runs are overlaid on the same axes, each with its own colour, line style and
+    marker; the legend names them by their folder's name or by `labels` (one per run, in
+    order). `x` is the x axis of every chart but `eval.png` (which is per epoch): "step"
+    (optimizer steps), "time" (since the start) or "samples" (samples seen, all ranks
+    together: compares runs of different batch sizes). A chart with nothing to show (e.g.
+    `eval.png` of runs without eval metrics, or `grad_norm.png` when it was never logged) is
+    not written. Returns the paths written.
     """
     if isinstance(run_dirs, (str, os.PathLike)):
         run_dirs = [run_dirs]
     if not run_dirs:
         raise ConfigError("no run folder given: pass at least one RUN_DIR")
+    if x not in X_AXES:
+        raise ConfigError(f"unknown x axis {x!r}: pass one of {', '.join(X_AXES)}")
     if labels is not None and len(labels) != len(run_dirs):
         raise ConfigError(
             f"got {len(labels)} label(s) for {len(run_dirs)} run folder(s): "
             "give one --label per RUN_DIR, in the same order"
         )
-    names = list(labels) if labels is not None else _default_labels(run_dirs)
-    runs = [
-        _Run(name, _continuous_time(read_metrics(d)))
-        for name, d in zip(names, run_dirs, strict=True)
-    ]
+    runs = _load_runs(run_dirs, labels, x)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output folder {out} is a file: pass another --out folder")
 
     try:
         import matplotlib  # noqa: F401  (a clear error before any submodule import)
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise ConfigError(_MISSING_MATPLOTLIB) from None
 
-    charts = {
-        "loss.png": _loss_chart(runs),
-        "eval.png": _eval_chart(runs),
-        "throughput.png": _throughput_chart(runs),
-    }
-    if all(fig is None for fig in charts.values()):
+    charts = _charts(runs, x)
+    if not charts:
         raise ConfigError(
-            "nothing to plot: no loss, samples_per_s or eval metric that can be drawn (a number "
-            "within ±1e200) in the {METRICS_FILE} of "
+            "nothing to plot: no loss, lr, grad_norm, samples_per_s or eval metric that can be "
+            f"drawn (a number within ±1e200) in the {METRICS_FILE} of "
             f"{', '.join(str(d) for d in run_dirs)}"
         )
+    _save(charts, out)
+    return [out / name for name in charts]
+
+
+def _load_runs(
+    run_dirs: Sequence[str | os.PathLike[str]], labels: Sequence[str] | None, x: str
+) -> list[_Run]:
+    """The runs' records, legend names and styles; `ConfigError` when one cannot be drawn
+    against the x axis `x` (a run without samples_seen, by samples)."""
+    names = list(labels) if labels is not None else _default_labels(run_dirs)
+    styles = _run_styles(len(run_dirs))
+    runs = [
+        _Run(name, _continuous_time(read_metrics(d)), style)
+        for name, d, style in zip(names, run_dirs, styles, strict=True)
+    ]
+    if x == "samples":
+        for run_dir, run in zip(run_dirs, runs, strict=True):
+            _check_samples_seen(run_dir, run)
+    return runs
+
+
+def _charts(runs: Sequence[_Run], x: str) -> dict[str, Figure]:
+    """The charts that have something to show, by file name, with `x` as their x axis."""
+    axis = _x_axis(runs, x)
+    throughput_axes = [axis] if x == "time" else [axis, _x_axis(runs, "time")]
+    charts = {
+        "loss.png": _loss_chart(runs, axis),
+        "eval.png": _eval_chart(runs),
+        "throughput.png": _throughput_chart(runs, throughput_axes),
+        "lr.png": _value_chart(runs, axis, "lr", "Learning rate", _KINDS),
+        "grad_norm.png": _value_chart(runs, axis, "grad_norm", "Gradient norm", ("step",)),
+    }
+    return {name: fig for name, fig in charts.items() if fig is not None}
+
+
+def _save(charts: dict[str, Figure], out: Path) -> None:
+    """Write the charts as PNGs into `out`; on failure remove what this call created."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     new_folders = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     written: list[Path] = []
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, fig in charts.items():
-            if fig is None:
-                continue
             FigureCanvasAgg(fig)  # draw on Agg: no pyplot, no GUI, no global backend switch
             path = out / name
             if not path.exists():
@@ -241,7 +341,6 @@ def plot_runs(
                 f"cannot write the charts to {out} ({exc.strerror}): pass another --out folder"
             ) from None
         raise
-    return [out / name for name, fig in charts.items() if fig is not None]
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -317,6 +416,49 @@ def _series(records: Iterable[dict[str, Any]], kinds: Sequence[str], x: str, y: 
     return xs, [points[v] for v in xs]
 
 
+def _run_styles(count: int) -> list[_RunStyle]:
+    """A colour, line style and marker for each of `count` runs (see _LINESTYLES)."""
+    return [
+        _RunStyle(
+            color=f"C{i % 10}",
+            linestyle=_LINESTYLES[i % len(_LINESTYLES)],
+            marker=_MARKERS[i % len(_MARKERS)],
+            mark_offset=i / count,
+            mark_scale=1.0 + _MARK_GROWTH * (count - 1 - i) / max(count - 1, 1),
+        )
+        for i in range(count)
+    ]
+
+
+def _check_samples_seen(run_dir: str | os.PathLike[str], run: _Run) -> None:
+    """Raise `ConfigError` when no record of `run` has `samples_seen` (logs of ddpkit versions
+    before it was logged): drawn by samples, that run would be missing without a word."""
+    if any(_number(record.get("samples_seen")) is not None for record in run.records):
+        return
+    raise ConfigError(
+        f"{Path(run_dir) / METRICS_FILE} has no samples_seen (older ddpkit versions did not "
+        "log it): plot that run with --x step or --x time, or rerun its training to plot it "
+        "by samples"
+    )
+
+
+def _x_axis(runs: Sequence[_Run], x: str) -> _Axis:
+    """The axis `x` ("step", "time" or "samples"); time in the unit that suits the runs."""
+    if x == "samples":
+        return _Axis(x, "samples_seen", "samples seen (all ranks)")
+    if x == "step":
+        return _Axis(x, "step", "optimizer step")
+    times = (_number(r.get("time")) for run in runs for r in run.records)
+    unit, scale = _time_unit(max((t for t in times if t is not None), default=0.0))
+    return _Axis(x, "time", f"time since start ({unit})", scale)
+
+
+def _along(records: Iterable[dict[str, Any]], kinds: Sequence[str], axis: _Axis, y: str) -> Series:
+    """`_series` with `axis` as x, in the axis' unit."""
+    xs, ys = _series(records, kinds, axis.field, y)
+    return [v / axis.scale for v in xs] if axis.scale != 1.0 else xs, ys
+
+
 def _eval_metrics(runs: Sequence[_Run]) -> list[str]:
     names: dict[str, None] = {}
     for run in runs:
@@ -342,48 +484,79 @@ def _title(base: str, runs: Sequence[_Run]) -> str:
     return f"{base} — {runs[0].label}" if len(runs) == 1 else base
 
 
-def _line(ax: Axes, series: Series, color: str, **style: Any) -> bool:
-    """Plot one series; False when it has no point. A lone point gets a marker."""
+def _line(ax: Axes, series: Series, run: _Run, kind: dict[str, Any]) -> bool:
+    """Plot one series of `run` in its colour, line style and marker, as changed by `kind`
+    (e.g. _EPOCH_MARKER: no line); False when it has no point. Markers are sparse along long
+    lines, at other points for each run so that identical runs' markers do not coincide."""
     xs, ys = series
     if not xs:
         return False
-    if len(xs) == 1 and style.get("marker") is None:
-        style["marker"] = "o"
-    if len(xs) > _DENSE_POINTS and style.get("linestyle") != "none":
+    style: dict[str, Any] = {
+        "color": run.style.color,
+        "linestyle": run.style.linestyle,
+        "marker": run.style.marker,
+        **kind,
+    }
+    if len(xs) > _ALL_MARKERS and style["linestyle"] != "none":
+        every = len(xs) // _MARKS_PER_LINE
+        style["markevery"] = (int(run.style.mark_offset * every), every)
+    else:
+        style["markersize"] = style.get("markersize", 6.0) * run.style.mark_scale
+    if len(xs) > _DENSE_POINTS and style["linestyle"] != "none":
         style["alpha"] = min(style.get("alpha", 1.0), 0.45)
-    ax.plot(xs, ys, color=color, **style)
+    ax.plot(xs, ys, **style)
     return True
+
+
+def _run_keys(runs: Sequence[_Run]) -> list[tuple[str, dict[str, Any]]]:
+    """Legend entries of the runs (none for a single run: the title names it)."""
+    if len(runs) < 2:
+        return []
+    return [(run.label, _run_key(run)) for run in runs]
+
+
+def _run_key(run: _Run) -> dict[str, Any]:
+    style = run.style
+    return {
+        "color": style.color,
+        "linestyle": style.linestyle,
+        "marker": style.marker,
+        "linewidth": 1.8,
+        "markersize": 6,
+    }
 
 
 def _legends(
     ax: Axes,
-    run_labels: Sequence[str],
-    colors: Sequence[str],
-    styles: dict[str, dict[str, Any]],
+    runs: Sequence[tuple[str, dict[str, Any]]],
+    kinds: dict[str, dict[str, Any]],
     *,
     title: str = "run",
 ) -> None:
-    """Legends right of the axes, where they never hide data: the runs (colours, when
-    `run_labels` is not empty) on top and the series styles (in grey) at the bottom."""
+    """Legends right of the axes, where they never hide data: the runs (label and line style)
+    on top and the kinds of series (in grey) at the bottom."""
     from matplotlib.lines import Line2D
 
     outside = {"borderaxespad": 0.0, "fontsize": 9}
-    if run_labels:
-        run_handles = [Line2D([], [], color=c, linewidth=2.5) for c in colors]
-        runs = ax.legend(
-            run_handles,
-            list(run_labels),
+    if runs:
+        run_legend = ax.legend(
+            [Line2D([], [], **style) for _, style in runs],
+            [label for label, _ in runs],
             title=title,
             loc="upper left",
             bbox_to_anchor=(1.02, 1.0),
+            handlelength=3.0,  # long enough to show the line style
             **outside,
         )
-        if styles:
-            ax.add_artist(runs)  # a second ax.legend() would replace it
-    if styles:
-        style_handles = [Line2D([], [], color="0.3", **kw) for kw in styles.values()]
+        if kinds:
+            ax.add_artist(run_legend)  # a second ax.legend() would replace it
+    if kinds:
         ax.legend(
-            style_handles, list(styles), loc="lower left", bbox_to_anchor=(1.02, 0.0), **outside
+            [Line2D([], [], color="0.3", **kw) for kw in kinds.values()],
+            list(kinds),
+            loc="lower left",
+            bbox_to_anchor=(1.02, 0.0),
+            **outside,
         )
 
 
@@ -395,51 +568,88 @@ def _style_axes(ax: Axes, title: str, xlabel: str, ylabel: str) -> None:
     ax.grid(True, which="minor", alpha=0.12)
 
 
-def _step_axis(ax: Axes) -> None:
-    """Whole steps at round intervals, with thousands separators."""
+def _format_x(ax: Axes, axis: _Axis) -> None:
+    """Steps and samples are counts: whole numbers at round intervals, steps with thousands
+    separators, samples (millions soon) short as 250k or 1.5M so that the labels fit."""
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+    if axis.name == "time":
+        return
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 2.5, 5, 10]))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
+    short = axis.name == "samples"
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: _count(v, short=short)))
 
 
-def _colors(runs: Sequence[_Run]) -> list[str]:
-    return [f"C{i % 10}" for i in range(len(runs))]
+def _count(value: float, *, short: bool) -> str:
+    """`value` with thousands separators, or `short` as 250k, 1.5M, 2G from 10,000 on."""
+    if short:
+        for threshold, unit, suffix in ((1e9, 1e9, "G"), (1e6, 1e6, "M"), (1e4, 1e3, "k")):
+            if abs(value) >= threshold:
+                return f"{value / unit:g}{suffix}"
+    return f"{value:,.0f}"
 
 
-def _loss_chart(runs: Sequence[_Run]) -> Figure | None:
+def _log_y_if_wide(ax: Axes, values: Sequence[float]) -> None:
+    """A log y axis when the values are positive and span _LOG_SCALE_RATIO or more: else a
+    falling loss or a decaying learning rate is a flat line at the bottom."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    if not values or min(values) <= 0 or max(values) / min(values) < _LOG_SCALE_RATIO:
+        return
+    ax.set_yscale("log")
+    if max(values) / min(values) < _FEW_DECADES:
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    # else matplotlib's own: ticks at 1, 2 and 5 are crowded over more decades, and from about
+    # 6 decades on LogLocator(subs=...) gives no tick at all.
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+# Name, kinds of records, field, style and legend key of each series of loss.png.
+_LOSS_SERIES: tuple[tuple[str, tuple[str, ...], str, dict[str, Any], dict[str, Any]], ...] = (
+    ("train loss (step)", ("step",), "loss", _STEP_LINE, _STEP_KEY),
+    ("train loss (epoch mean)", ("epoch",), "loss", _EPOCH_MARKER, _EPOCH_KEY),
+    ("eval loss", _KINDS, "eval_loss", _EVAL_LINE, _EVAL_KEY),
+)
+
+
+def _loss_chart(runs: Sequence[_Run], axis: _Axis) -> Figure | None:
     fig = _new_figure(9.5, 5.5)
     ax = fig.add_subplot()
-    colors = _colors(runs)
-    styles: dict[str, dict[str, Any]] = {
-        "train loss (step)": _STEP_LINE,
-        "train loss (epoch mean)": _EPOCH_MARKER,
-        "eval loss": _EVAL_LINE,
-    }
     used: dict[str, dict[str, Any]] = {}
     values: list[float] = []
-    for run, color in zip(runs, colors, strict=True):
-        for name, kinds, field in (
-            ("train loss (step)", ("step",), "loss"),
-            ("train loss (epoch mean)", ("epoch",), "loss"),
-            ("eval loss", _KINDS, "eval_loss"),
-        ):
-            series = _series(run.records, kinds, "step", field)
-            if _line(ax, series, color, **styles[name]):
-                used[name] = styles[name]
+    for run in runs:
+        for name, kinds, field, kind, key in _LOSS_SERIES:
+            series = _along(run.records, kinds, axis, field)
+            if _line(ax, series, run, kind):
+                used[name] = key
                 values += series[1]
     if not used:
         return None
-    if min(values) > 0 and max(values) / min(values) >= _LOG_SCALE_RATIO:
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-        ax.yaxis.set_minor_formatter(NullFormatter())
-    _step_axis(ax)
-    _style_axes(ax, _title("Loss", runs), "optimizer step", "loss")
-    _legends(ax, [r.label for r in runs] if len(runs) > 1 else [], colors, used)
+    _log_y_if_wide(ax, values)
+    _format_x(ax, axis)
+    _style_axes(ax, _title("Loss", runs), axis.label, "loss")
+    _legends(ax, _run_keys(runs), used)
+    return fig
+
+
+def _value_chart(
+    runs: Sequence[_Run], axis: _Axis, field: str, title: str, kinds: Sequence[str]
+) -> Figure | None:
+    """One value of the records (`lr`, `grad_norm`) against `axis`; None when no run has it."""
+    fig = _new_figure(9.5, 4.5)
+    ax = fig.add_subplot()
+    values: list[float] = []
+    for run in runs:
+        series = _along(run.records, kinds, axis, field)
+        if _line(ax, series, run, _VALUE_LINE):
+            values += series[1]
+    if not values:
+        return None
+    _log_y_if_wide(ax, values)
+    _format_x(ax, axis)
+    _style_axes(ax, _title(title, runs), axis.label, field)
+    _legends(ax, _run_keys(runs), {})
     return fig
 
 
@@ -451,22 +661,19 @@ def _eval_chart(runs: Sequence[_Run]) -> Figure | None:
         return None
     fig = _new_figure(9.5, 1.0 + 3.3 * len(metrics))
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
-    colors = _colors(runs)
     for i, (ax, metric) in enumerate(zip(axes, metrics, strict=True)):
         values: list[float] = []
-        shown_labels: list[str] = []
-        shown_colors: list[str] = []
-        for run, color in zip(runs, colors, strict=True):
+        shown: list[tuple[str, dict[str, Any]]] = []
+        for run in runs:
             series = _series(run.records, ("epoch",), "epoch", metric)
-            if _line(ax, series, color, linewidth=1.8, marker="o", markersize=5):
+            if _line(ax, series, run, _VALUE_LINE):
                 values += series[1]
-                shown_labels.append(f"{run.label}: {_format(metric, series[1][-1])}")
-                shown_colors.append(color)
+                shown.append((f"{run.label}: {_format(metric, series[1][-1])}", _run_key(run)))
         if "acc" in metric.lower() and values and all(0 <= v <= 1 for v in values):
             ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         _style_axes(ax, metric, "epoch (completed)" if i == len(metrics) - 1 else "", metric)
-        _legends(ax, shown_labels, shown_colors, {}, title="last value")
+        _legends(ax, shown, {}, title="last value")
     fig.suptitle(_title("Evaluation per epoch", runs))
     return fig
 
@@ -485,51 +692,46 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "seconds", 1.0
 
 
-def _throughput_chart(runs: Sequence[_Run]) -> Figure | None:
+# Name, kinds of records, style and legend key of each series of throughput.png.
+_THROUGHPUT_SERIES: tuple[tuple[str, tuple[str, ...], dict[str, Any], dict[str, Any]], ...] = (
+    ("samples/s (step)", ("step",), _STEP_LINE, _STEP_KEY),
+    ("samples/s (epoch mean)", ("epoch",), _EPOCH_MARKER, _EPOCH_KEY),
+)
+_PANEL_TITLES = {
+    "step": "by optimizer step",
+    "time": "by elapsed time",
+    "samples": "by samples seen",
+}
+
+
+def _throughput_chart(runs: Sequence[_Run], axes: Sequence[_Axis]) -> Figure | None:
+    """samples/s of the runs, one panel per x axis in `axes`."""
     from matplotlib.ticker import FuncFormatter
 
-    fig = _new_figure(13.0, 5.0)
-    by_step, by_time = fig.subplots(1, 2, sharey=True)
-    colors = _colors(runs)
-    styles: dict[str, dict[str, Any]] = {
-        "samples/s (step)": _STEP_LINE,
-        "samples/s (epoch mean)": _EPOCH_MARKER,
-    }
-    step_kinds = {"samples/s (step)": ("step",), "samples/s (epoch mean)": ("epoch",)}
-    latest = max(
-        (t for run in runs for t in _series(run.records, _KINDS, "time", "samples_per_s")[0]),
-        default=0.0,
-    )
-    unit, scale = _time_unit(latest)
+    fig = _new_figure(1.0 + 6.0 * len(axes), 5.0)
+    panels = fig.subplots(1, len(axes), sharey=True, squeeze=False)[0]
     used: dict[str, dict[str, Any]] = {}
-    for run, color in zip(runs, colors, strict=True):
-        for name, kinds in step_kinds.items():
-            if _line(
-                by_step, _series(run.records, kinds, "step", "samples_per_s"), color, **styles[name]
-            ):
-                used[name] = styles[name]
-            xs, ys = _series(run.records, kinds, "time", "samples_per_s")
-            if _line(by_time, ([x / scale for x in xs], ys), color, **styles[name]):
-                used[name] = styles[name]
+    for ax, axis in zip(panels, axes, strict=True):
+        for run in runs:
+            for name, kinds, kind, key in _THROUGHPUT_SERIES:
+                series = _along(run.records, kinds, axis, "samples_per_s")
+                if _line(ax, series, run, kind):
+                    used[name] = key
     if not used:
         return None
-    by_step.set_ylim(bottom=0)
-    _step_axis(by_step)
-    by_step.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
-    _style_axes(by_step, "by optimizer step", "optimizer step", "samples / s")
-    _style_axes(by_time, "by elapsed time", f"time since start ({unit})", "")
-    by_time.tick_params(labelleft=True)
-    for ax, field in ((by_step, "step"), (by_time, "time")):
+    panels[0].set_ylim(bottom=0)
+    panels[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}"))
+    for i, (ax, axis) in enumerate(zip(panels, axes, strict=True)):
+        _format_x(ax, axis)
+        _style_axes(ax, _PANEL_TITLES[axis.name], axis.label, "" if i else "samples / s")
+        ax.tick_params(labelleft=True)
         if not ax.lines:
-            ax.text(
-                0.5,
-                0.5,
-                f"no '{field}' field in the runs' {METRICS_FILE}",
-                ha="center",
-                va="center",
-                transform=ax.transAxes,
-                color="0.4",
-            )
-    _legends(by_time, [r.label for r in runs] if len(runs) > 1 else [], colors, used)
+            _say(ax, f"no '{axis.field}' field in the runs' {METRICS_FILE}")
+    _legends(panels[-1], _run_keys(runs), used)
     fig.suptitle(_title("Throughput", runs))
     return fig
+
+
+def _say(ax: Axes, text: str) -> None:
+    """`text` in grey in the middle of an empty panel."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")

@@ -1,13 +1,18 @@
-"""`ddpkit plot`: PNG charts (loss, eval metrics, throughput) of one or more training runs."""
+"""`ddpkit plot`: PNG charts (loss, eval metrics, throughput, learning rate, gradient norm)
+of one or more training runs."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
-HELP = "draw loss, eval and throughput charts (PNG) of one or more run folders"
+# The choices only: ddpkit.plot itself imports nothing heavy (matplotlib is imported when drawing).
+from ddpkit.plot import X_AXES
+
+HELP = "draw loss, eval, throughput, lr and grad_norm charts (PNG) of one or more run folders"
 _DEFAULT_MULTI_OUT = "plots"
 
 
@@ -17,9 +22,10 @@ def add_parser(sub: Any) -> None:
         help=HELP,
         description=(
             f"{HELP}. Each RUN_DIR holds the metrics.jsonl a training run wrote; several runs "
-            "are overlaid on the same axes. Writes loss.png, eval.png (when the runs have eval "
-            "metrics such as accuracy) and throughput.png. Needs matplotlib: "
-            "pip install 'ddpkit[plot]'."
+            "are overlaid on the same axes, each with its own colour, line style and marker. "
+            "Writes loss.png, eval.png (when the runs have eval metrics such as accuracy), "
+            "throughput.png, lr.png and grad_norm.png (when the runs logged them). Needs "
+            "matplotlib: pip install 'ddpkit[plot]'."
         ),
     )
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folder with metrics.jsonl")
@@ -37,6 +43,14 @@ def add_parser(sub: Any) -> None:
         action="extend",
         help="legend name of each run, one per RUN_DIR in order (default: the folder's name)",
     )
+    p.add_argument(
+        "--x",
+        choices=X_AXES,
+        default="step",
+        help="x axis of the loss, throughput, lr and grad_norm charts: optimizer steps, time "
+        "since the start, or samples seen by all ranks, which lines up runs of different "
+        "batch sizes (default step)",
+    )
     p.set_defaults(func=run)
 
 
@@ -51,6 +65,6 @@ def run(args: argparse.Namespace) -> int:
         out = Path(run_dirs[0])
     else:
         out = Path(_DEFAULT_MULTI_OUT)
-    for path in plot_runs(run_dirs, out, labels=args.labels):
-        print(path)
+    written = plot_runs(run_dirs, out, labels=args.labels, x=args.x)
+    print(f"wrote {len(written)} chart(s) to {out}{os.sep}: {', '.join(p.name for p in written)}")
     return 0
