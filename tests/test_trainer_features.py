@@ -179,11 +179,7 @@ def test_run_dir_gets_config_and_step_and_epoch_metrics(tmp_path: Path) -> None:
     assert [x["step"] for x in steps] == [5, 10, 15, 20]  # 12 steps per epoch, 24 in all
     assert all(x["grad_norm"] > 0 and x["loss"] > 0 and x["lr"] == 0.05 for x in steps)
     assert [x["epoch"] for x in epochs] == [1, 2] and all(x["samples"] == 96 for x in epochs)
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        return
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "tb").exists()  # TensorBoard only when loggers names it
 
 
 @pytest.mark.slow

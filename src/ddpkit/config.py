@@ -1,10 +1,11 @@
 """TrainConfig: every option of a training run, and the one place that checks them.
 
-Each field declares its type (`int`, `float`, `str`, `bool`, `X | None` or a `Literal`
-of strings) and, in its metadata, its `help` and its range (`ge`, `gt`). A value is
-checked by `check_option` however it arrives: `TrainConfig(...)` in Python, a TOML file
-or a job's `DEFAULTS` (`validate_options`), or a command-line flag (`parse_option`), so
-a bad value gets the same message from each.
+Each field declares its type (`int`, `float`, `str`, `bool`, `X | None`, a `Literal`
+of strings, or a `Sequence` of such strings: a list, stored as a tuple) and, in its
+metadata, its `help` and its range (`ge`, `gt`). A value is checked by `check_option`
+however it arrives: `TrainConfig(...)` in Python, a TOML file or a job's `DEFAULTS`
+(`validate_options`), or a command-line flag (`parse_option`), so a bad value gets the
+same message from each.
 
 It imports nothing heavy, so the command line can build its flags from it without
 loading torch.
@@ -16,13 +17,15 @@ import contextlib
 import dataclasses
 import difflib
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ddpkit.errors import ConfigError
 
 __all__ = [
+    "LOGGERS",
+    "LoggerName",
     "TrainConfig",
     "check_option",
     "describe",
@@ -30,6 +33,11 @@ __all__ = [
     "parse_option",
     "validate_options",
 ]
+
+
+# What `loggers` may name, besides the metrics.jsonl that every run folder gets.
+LoggerName = Literal["csv", "tensorboard", "mlflow", "wandb"]
+LOGGERS: tuple[LoggerName, ...] = typing.get_args(LoggerName)
 
 
 def _opt(
@@ -137,12 +145,25 @@ class TrainConfig:
     compile: bool = _opt(False, "torch.compile the model (after the DDP wrap)")
     """Compile the model with torch.compile: a slower start, often a faster step."""
     run_dir: str | None = _opt(
-        None, "folder for config.json and metrics.jsonl (and TensorBoard events)", example="DIR"
+        None, "folder for config.json, metrics.jsonl and the --loggers' files", example="DIR"
     )
-    """Where the run's config.json and metrics.jsonl go (and TensorBoard events, when
-    tensorboard is installed); None writes neither."""
+    """Where the run's config.json and metrics.jsonl go (and the files of `loggers`);
+    None writes neither. A new run (not `resume`) into a folder that already holds a
+    metrics.jsonl keeps the old one as metrics.1.jsonl (then .2, ...)."""
     log_every: int = _opt(50, "optimizer steps between step lines in metrics.jsonl", ge=1)
     """Optimizer steps between the step lines of metrics.jsonl."""
+    loggers: Sequence[LoggerName] = _opt(
+        (),
+        "also log the metrics to these, comma-separated: csv, tensorboard, mlflow, wandb "
+        "(needs --run-dir)",
+        example="csv,tensorboard",
+    )
+    """Where else the metrics of metrics.jsonl go, from rank 0: any of "csv" (steps.csv
+    and epochs.csv in `run_dir`), "tensorboard" (event files in `run_dir`/tb), "mlflow"
+    (the MLFLOW_TRACKING_URI server, else `run_dir`/mlflow.db) and "wandb" (W&B, with
+    its files in `run_dir`/wandb; WANDB_MODE=offline keeps it off the network). Each
+    but csv is an extra: `pip install 'ddpkit[wandb]'`. Needs `run_dir`. A list or a
+    tuple; kept as a tuple."""
     early_stopping_patience: int | None = _opt(
         None, "stop after N epochs without improvement", ge=1, example=3
     )
@@ -161,11 +182,16 @@ class TrainConfig:
             # Frozen: the checked value (an int given for a float made a float) goes in
             # the way dataclasses itself sets fields.
             object.__setattr__(self, name, check_option(name, getattr(self, name)))
-        # The one rule about two fields; a file or flag alone cannot break it.
+        # The rules about two fields; a file or flag alone cannot break them.
         if self.resume and self.checkpoint_dir is None:
             raise ConfigError(
                 "resume must be used with a checkpoint folder (got True): "
                 "pass --checkpoint-dir DIR with --resume"
+            )
+        if self.loggers and self.run_dir is None:
+            raise ConfigError(
+                f"loggers need a run folder (got loggers={list(self.loggers)!r}): "
+                "pass --run-dir DIR with --loggers"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,6 +236,8 @@ def check_option(name: str, value: Any) -> Any:
     if value is None and optional:
         return None
     meta = _FIELDS[name].metadata
+    if typing.get_origin(kind) is Sequence:
+        return _check_names(name, value, typing.get_args(kind)[0])
     if typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         if not isinstance(value, str) or value not in choices:
@@ -238,6 +266,9 @@ def parse_option(name: str, text: str) -> Any:
     if kind is int or kind is float:
         with contextlib.suppress(ValueError):
             value = kind(text)
+    elif typing.get_origin(kind) is Sequence:
+        # "csv,wandb"; "" is none, so a flag can empty the list that a file set.
+        value = [part.strip() for part in text.split(",") if part.strip()]
     return check_option(name, value)
 
 
@@ -264,6 +295,20 @@ _TYPE_WORDS: dict[Any, str] = {
     str: "a string",
     bool: "a boolean",
 }
+
+
+def _check_names(name: str, value: Any, item: Any) -> tuple[str, ...]:
+    """A list or tuple of strings, each one of `item`'s choices when it is a Literal, as
+    a tuple (hashable, like the frozen config) without repeats."""
+    choices = typing.get_args(item) if typing.get_origin(item) is Literal else ()
+    must = "a list of " + (f"names from {', '.join(choices)}" if choices else "non-empty strings")
+    # A str is a sequence too, but "csv" is no list of names: say so, not "'c' is unknown".
+    if not isinstance(value, (list, tuple)):
+        raise _error(name, must, value, with_kind=True)
+    for part in value:
+        if not isinstance(part, str) or not part or (choices and part not in choices):
+            raise _error(name, must, part, with_kind=not isinstance(part, str))
+    return tuple(dict.fromkeys(value))
 
 
 def _has_type(value: Any, kind: Any) -> bool:

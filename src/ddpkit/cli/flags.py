@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import sys
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 from ddpkit.config import TrainConfig, field_type, parse_option
@@ -61,11 +62,14 @@ def add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
             continue
         kind, _ = field_type(f.name)
         flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        unset = f.default is None or f.default == ()  # "(default: ())" says nothing
+        help_ = f.metadata["help"] + ("" if unset else f" (default: {f.default})")
         if kind is bool:
             options.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_
             )
+        elif typing.get_origin(kind) is Sequence:  # a list, given as "csv,wandb"
+            options.add_argument(flag, default=None, metavar="NAME[,NAME...]", help=help_)
         else:
             choices = typing.get_args(kind)  # a Literal's; () for int, float, str
             metavar = "{" + ",".join(choices) + "}" if choices else None
