@@ -108,17 +108,31 @@ def _pids(tmp_path: Path) -> list[int]:
 
 def test_a_crashing_rank_is_named_with_its_traceback(tmp_path: Path) -> None:
     script = _script(tmp_path, "crash.py", CRASH)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     start = time.monotonic()
-    out = run_cli("run", "--nproc", "2", str(script), env={"PID_DIR": str(tmp_path)})
+    out = run_cli(
+        "run", "--nproc", "2", str(script), env={"PID_DIR": str(tmp_path), "TMPDIR": str(scratch)}
+    )
     elapsed = time.monotonic() - start
     assert out.returncode != 0
-    tail = out.stderr.strip().splitlines()[-6:]
+    tail = out.stderr.strip().splitlines()[-7:]
     text = "\n".join(tail)
     assert "rank 1 failed first: ValueError: rank one is broken" in text
     assert 'raise ValueError("rank one is broken")' in text
-    assert tail[-1].startswith(
+    assert tail[-2].startswith(
         "ddpkit: the job failed: rank 1 raised ValueError and exited with code 1"
     )
+    # One traceback, the user's frames only, and none of torch's agent log lines.
+    assert out.stderr.count("Traceback") == 1, out.stderr
+    for plumbing in ("shim.py", "runpy", "watchdog.py", "Sending process", "exitcode"):
+        assert plumbing not in out.stderr, out.stderr
+    # Every rank's whole output is kept, in a folder the last line names.
+    (kept,) = scratch.glob("ddpkit-failed-run-*")
+    assert tail[-1] == f"ddpkit: every rank's output, with its whole traceback: {kept}/rank<N>.log"
+    assert sorted(p.name for p in kept.iterdir()) == ["rank0.log", "rank1.log"]
+    assert "shim.py" in (kept / "rank1.log").read_text()  # whole: ddpkit's frames too
+    assert "ValueError: rank one is broken" in (kept / "rank1.log").read_text()
     assert elapsed < 60
     pids = _pids(tmp_path)
     assert len(pids) == 2 and wait_gone(pids, within=5) == []
@@ -137,10 +151,10 @@ def test_the_rank_that_failed_is_blamed_not_the_rank_torchrun_stopped(tmp_path: 
     # torch stamps the stopped rank's failure in whole seconds, which used to sort it
     # before the real error (4 runs in 5 blamed rank 0).
     script = _script(tmp_path, "early.py", EARLY_CRASH)
-    for _ in range(2):
-        out = run_cli("run", "--nproc", "2", str(script))
+    for _ in range(2):  # the logs it keeps go to TMPDIR
+        out = run_cli("run", "--nproc", "2", str(script), env={"TMPDIR": str(tmp_path)})
         assert out.returncode == 1, out.stderr
-        last = out.stderr.strip().splitlines()[-1]
+        last = out.stderr.strip().splitlines()[-2]
         assert last.startswith("ddpkit: the job failed: rank 1 raised ValueError"), last
 
 
@@ -356,6 +370,25 @@ def test_a_signal_to_ddpkit_run_leaves_no_process(tmp_path: Path, sig: signal.Si
     assert wait_gone(_pids(tmp_path)) == []
 
 
+def test_ctrl_c_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleep.py", SLEEP)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+        env={**os.environ, "PID_DIR": str(tmp_path)},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group: the terminal's Ctrl-C reaches all of it
+    )
+    wait_for_files([tmp_path / "0.pid", tmp_path / "1.pid"])
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err == "ddpkit: interrupted (Ctrl-C); every worker was stopped\n"
+    assert wait_gone(_pids(tmp_path)) == []
+
+
 def _one_line_error(out: subprocess.CompletedProcess[str], needle: str) -> None:
     assert out.returncode == 2, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -411,6 +444,29 @@ def test_a_clean_script_with_arguments_runs_on_every_rank(tmp_path: Path) -> Non
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for rank in (0, 1):
         assert f"rank {rank} of 2 ['--lr', '0.1'] threads {threads}" in out.stdout
+    # No process group: N copies of a one-process script. Said, not silent.
+    assert (
+        out.stderr.strip()
+        .splitlines()[-1]
+        .startswith("ddpkit: warning: no rank called torch.distributed.init_process_group")
+    )
+    assert "ran as 2 independent copies" in out.stderr
+
+
+def test_a_script_that_starts_and_ends_its_group_gets_no_warning(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "group.py",
+        """
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        dist.barrier()
+        dist.destroy_process_group()  # torch forgets the group: the warning must not
+        """,
+    )
+    out = run_cli("run", "--nproc", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert "warning" not in out.stderr, out.stderr
 
 
 def test_info_describes_this_machine() -> None:

@@ -13,15 +13,17 @@ import contextlib
 import functools
 import ipaddress
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,12 +297,16 @@ def _supervise(
     # the workers then save (a Trainer with a checkpoint folder) within torchrun's 30 s.
     previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        torchrun(parsed)  # type: ignore[no-untyped-call]
+        with _quiet_torchelastic():
+            torchrun(parsed)  # type: ignore[no-untyped-call]
+        if not any(status.glob("attempt*/rank*.initialised")):
+            print(_NO_GROUP.format(world=world_size), file=sys.stderr, flush=True)
         return 0
     except ChildFailedError as exc:
         if _said_preempted(status):  # a worker got the signal itself
             return PREEMPTED_EXIT
-        print(_crash_report(exc, _latest_attempt(status)), file=sys.stderr, flush=True)
+        report = _crash_report(exc, _latest_attempt(status))
+        print(f"{report}\n{_keep_logs(_latest_attempt(status))}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         if _said_preempted(status):
@@ -314,12 +320,57 @@ def _supervise(
                 flush=True,
             )
             return HANG_EXIT
-        print(f"ddpkit: stopped by {exc.sigval.name}; every worker was stopped", file=sys.stderr)
+        how = (
+            "interrupted (Ctrl-C)"
+            if exc.sigval == signal.SIGINT
+            else f"stopped by {exc.sigval.name}"
+        )
+        print(f"ddpkit: {how}; every worker was stopped", file=sys.stderr)
         return 128 + int(exc.sigval)
     finally:
         signal.signal(signal.SIGUSR1, previous)
         if watch:
             watch.done.set()
+
+
+# Said after a clean run in which no rank started a process group.
+_NO_GROUP = (
+    "ddpkit: warning: no rank called torch.distributed.init_process_group (or "
+    "ddpkit.launch): the script ran as {world} independent copies, each on all of the "
+    "data; call ddpkit.launch(fn) or init_process_group in it to train together"
+)
+
+
+@contextlib.contextmanager
+def _quiet_torchelastic() -> Iterator[None]:
+    """Hide the agent's own log lines ("Sending process 123 closing signal SIGTERM",
+    "failed (exitcode: 1) local_rank: 1"): ddpkit says what happened, once."""
+    quiet = [
+        logger
+        for name, logger in logging.root.manager.loggerDict.items()
+        if isinstance(logger, logging.Logger)
+        and name.startswith(("torch.distributed.elastic", "torch.distributed.run"))
+    ]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _keep_logs(attempt: Path) -> str:
+    """Move every rank's log out of the status folder (deleted at the end) into a
+    folder of its own, kept for the user; the line that names it."""
+    logs = sorted(attempt.glob("rank*.log"))
+    if not logs:
+        return "ddpkit: no rank left a log"
+    kept = Path(tempfile.mkdtemp(prefix="ddpkit-failed-run-"))
+    for log in logs:
+        shutil.move(str(log), kept / log.name)
+    return f"ddpkit: every rank's output, with its whole traceback: {kept}{os.sep}rank<N>.log"
 
 
 def _said_preempted(status: Path) -> bool:

@@ -4,10 +4,15 @@
 torchrun's agent starts it once per rank. It prepares the diagnosis (a watchdog that
 reports progress, a record of the exception if the script raises), then runs the
 user's script or module as `__main__`, exactly as `python SCRIPT` would.
+
+What the script prints goes to the terminal as usual and also to `rank<N>.log` in the
+status folder, with the whole traceback if it raises; the agent keeps those files when
+the job fails and prints the first failing rank's traceback (the user's frames only).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import runpy
@@ -15,7 +20,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from ddpkit.errors import RUN_WORKER
 
@@ -46,6 +51,43 @@ def _store_publisher(rank: int) -> Callable[[dict[str, Any]], None] | None:
     return lambda report: store.set(key, json.dumps(report))
 
 
+class _Tee:
+    """A text stream that also writes to this rank's log file."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self._stream, self._log = stream, log
+
+    def write(self, text: str) -> int:
+        # A progress bar redraws itself with "\r" many times a second: keep it out of
+        # the log, which should hold what was said, not every frame of an animation.
+        if "\r" not in text:
+            self._log.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._log.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
+        return getattr(self._stream, name)
+
+
+def _note_process_group(folder: Path, rank: int) -> None:
+    """Leave `rank<N>.initialised` once the script starts a process group, so that the
+    agent can say when no rank did (N copies of a one-process script, each on all the
+    data). torch resets its own count when the group is destroyed, hence a wrapper."""
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        (folder / f"rank{rank}.initialised").touch()
+        return original(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
 def main() -> None:
     from ddpkit.diagnosis.watchdog import Watchdog, record_error, write_json
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
@@ -62,8 +104,13 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     folder = _status_folder()
     watchdog = None
-    if folder is not None and float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
-        watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
+    log: TextIO | None = None
+    if folder is not None:
+        log = (folder / f"rank{rank}.log").open("a", buffering=1)
+        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
+        _note_process_group(folder, rank)
+        if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
+            watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
     sys.argv = [target, *rest]
     code = 0
     try:
@@ -83,9 +130,15 @@ def main() -> None:
             code = exc.code if isinstance(exc.code, int) else 1
             if folder is not None:
                 record_error(folder, rank, exc)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the agent says it once
+        code = 130
     except BaseException as exc:
-        traceback.print_exc()
         code = 1
+        if log is None:
+            traceback.print_exc()
+        else:  # the agent shows the first failing rank's; every rank's is in its log
+            log.write(traceback.format_exc())
+            log.flush()
         if folder is not None:
             record_error(folder, rank, exc)
     if code == 0 and watchdog is not None:
@@ -96,4 +149,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C while the worker starts: the agent says it once
+        os._exit(130)
