@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ddpkit import ConfigError, DistContext, WorkerError, launch
 from ddpkit.errors import HangError
 from ddpkit.launcher import threads_per_rank
-from tests.conftest import ROOT, pid_alive, wait_for_files, wait_gone
+from tests.conftest import ROOT, pid_alive, run_cli, wait_for_files, wait_gone
 
 
 def _identity(ctx: DistContext, tag: str) -> dict[str, object]:
@@ -381,3 +381,39 @@ def test_tensors_come_back_from_rank0_intact() -> None:
     # Workers exit right after sending: the result must not depend on them staying alive.
     out = launch(_tensor_result, nprocs=2)
     assert torch.equal(out, torch.arange(100_000, dtype=torch.float32))
+
+
+_AFTER_LAUNCH_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import torch, torch.distributed as dist
+    import ddpkit
+
+    def total(ctx):
+        t = torch.tensor([ctx.rank + 1])
+        dist.all_reduce(t)
+        return ctx.rank, int(t.item())
+
+    if __name__ == "__main__":
+        print("before", os.environ["RANK"], flush=True)
+        print("result", ddpkit.launch(total, nprocs=2), flush=True)
+        try:
+            ddpkit.launch(total, nprocs=2)  # the other ranks have ended
+        except ddpkit.ConfigError as exc:
+            print("again:", exc, flush=True)
+    """
+)
+
+
+def test_under_ddpkit_run_code_after_launch_runs_once(tmp_path: Path) -> None:
+    # As under `python script.py`: every rank runs fn, rank 0 alone goes on with its
+    # result (the README: launch returns rank 0's result), the others end quietly.
+    script = tmp_path / "job.py"
+    script.write_text(_AFTER_LAUNCH_SCRIPT)
+    out = run_cli("run", "--nproc", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert sorted(line for line in lines if line.startswith("before")) == ["before 0", "before 1"]
+    assert [line for line in lines if line.startswith("result")] == ["result (0, 3)"]
+    again = [line for line in lines if line.startswith("again:")]
+    assert len(again) == 1 and "launch once" in again[0], out.stdout

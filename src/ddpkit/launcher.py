@@ -3,13 +3,14 @@
 The parent picks the rendezvous (a TCP store it owns on 127.0.0.1 at a port the OS
 gives it, or a shared file), spawns one worker per device, watches them, and stops
 every worker within seconds when one fails. Under torchrun it spawns nothing and runs
-`fn` in place with `env://`.
+`fn` in place with `env://`; then rank 0 alone goes on past `launch`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import logging
 import math
 import multiprocessing
@@ -22,6 +23,8 @@ import sys
 import threading
 import time
 import traceback
+import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,7 +128,9 @@ def _threads() -> int:
 _IMPORT_THREADS = _threads()
 
 
-def start_method(requested: StartMethod = "auto", backend: str = "gloo") -> str:
+def start_method(
+    requested: StartMethod = "auto", backend: str = "gloo", *, unimportable: str | None = None
+) -> str:
     """How `launch` starts workers: "fork" where that is safe, else "spawn".
 
     A forked worker starts in milliseconds with torch already imported; a spawned one
@@ -136,7 +141,16 @@ def start_method(requested: StartMethod = "auto", backend: str = "gloo") -> str:
     parallel op, a store's server, a logger's thread). Linux only, and CPU jobs only:
     a forked child cannot use CUDA once the parent has initialised it, and counting
     the GPUs (which `launch` does) already initialises the driver.
+
+    `unimportable` names the function (or what its arguments hold) when it was defined
+    in a notebook, `python -c` or a script read from stdin: a spawned worker cannot
+    import it, so a CPU job on Linux forks even while threads run, as Accelerate's
+    `notebook_launcher` and Lightning's "ddp_notebook" do (a Jupyter kernel always
+    runs threads of its own; they only move messages, and a worker never uses them).
+    Where no start can work, ConfigError says what to do instead.
     """
+    if unimportable is not None:
+        return _start_for_unimportable(requested, backend, unimportable)
     if requested != "auto":
         return requested
     if sys.platform != "linux" or backend == "nccl":
@@ -145,6 +159,35 @@ def start_method(requested: StartMethod = "auto", backend: str = "gloo") -> str:
         return "spawn"
     if threading.active_count() > 1 or not 0 < _threads() <= _IMPORT_THREADS:
         return "spawn"
+    return "fork"
+
+
+def _start_for_unimportable(requested: StartMethod, backend: str, name: str) -> str:
+    if requested == "spawn":
+        raise ConfigError(
+            f"spawned workers cannot run {name!r} from a notebook, python -c or stdin: "
+            "they cannot import what is defined there: pass start='auto' to fork them "
+            f"(Linux, CPU jobs), or move {name!r} into a .py file and import it"
+        )
+    if requested == "fork":
+        return "fork"
+    if backend == "nccl":
+        raise ConfigError(
+            f"cannot start GPU workers for {name!r} from a notebook, python -c or stdin: "
+            "spawned workers cannot import it and forked ones cannot use CUDA: move "
+            f"{name!r} into a .py file and import it (or pass backend='gloo' to run on CPU)"
+        )
+    if sys.platform != "linux":
+        raise ConfigError(
+            f"cannot start workers for {name!r} from a notebook, python -c or stdin on "
+            f"{sys.platform}: spawned workers cannot import it and ddpkit forks only on "
+            f"Linux: move {name!r} into a .py file and import it"
+        )
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        raise ConfigError(
+            "cannot start workers from a notebook after CUDA was initialised in it: restart "
+            f"the kernel and call launch before any CUDA use (or move {name!r} into a .py file)"
+        )
     return "fork"
 
 
@@ -183,12 +226,21 @@ def launch(
     """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
     Each process joins one process group and gets its `DistContext` (rank, world size,
-    device) as `ctx`. Under torchrun (or `ddpkit run`), nothing is spawned: `fn` runs
-    in place in this process with the group torchrun set up, and every rank gets its
-    own result back.
+    device) as `ctx`.
+
+    Under `ddpkit run` (or torchrun), which already started one process per rank,
+    nothing is spawned: `fn` runs in place on every rank with the group the agent set
+    up. Then, so that the code after `launch` runs once as under `python script.py`,
+    rank 0 goes on with its result and every other rank ends its process quietly
+    (exit code 0; its `finally` blocks and exit hooks run). A script therefore calls
+    `launch` once under an agent: a second call raises ConfigError. If the script set
+    up the process group itself, `fn` just runs, and every rank gets its own result.
 
     Args:
-        fn: a module-level function (spawned workers import it by name).
+        fn: a function defined at the top level of a module, script or notebook cell
+            (spawned workers import it by name). One defined in a notebook, `python -c`
+            or a script read from stdin cannot be imported by a new interpreter, so
+            its workers are forked (see `start`).
         *args: passed to `fn` after `ctx`; they must pickle.
         nprocs: processes to start: "auto" is one per visible GPU, else one per CPU core.
         backend: "auto" (nccl on GPUs, gloo on CPU), "gloo" or "nccl".
@@ -205,10 +257,14 @@ def launch(
         start: how workers start: "auto" forks them from this process (torch already
             imported: the first step comes seconds sooner) when that is safe, that is
             a CPU job on Linux with no thread started since ddpkit was imported;
-            otherwise "spawn" starts fresh interpreters, as `mp.spawn` does.
+            otherwise "spawn" starts fresh interpreters, as `mp.spawn` does. For a
+            function from a notebook or `python -c`, "auto" forks a CPU job on Linux
+            even while threads run (a Jupyter kernel always runs some), as Accelerate's
+            `notebook_launcher` does; a GPU job, or one after CUDA was initialised in
+            this process, cannot start from there and raises ConfigError.
 
     Returns:
-        What `fn` returned on rank 0.
+        What `fn` returned on rank 0 (under an agent, only rank 0 returns).
 
     Raises:
         WorkerError: a rank raised or died; it names the rank and carries its traceback.
@@ -242,7 +298,7 @@ def launch(
         # The caller set up the group itself (or we are nested): just run.
         return fn(DistContext.current(), *args)
     if under_torchrun():
-        return _run_in_place(fn, args, resolve_backend(backend), timeout)
+        return _run_under_agent(fn, args, resolve_backend(backend), timeout)
     backend_ = resolve_backend(backend)
     n = resolve_nprocs(nprocs, backend_)
     if n == 1:
@@ -290,6 +346,38 @@ def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeo
         sys.excepthook = hook
 
 
+# Set on rank 0 under an agent once a launch has returned and the other ranks ended.
+_OTHER_RANKS_ENDED = False
+
+
+def _run_under_agent(
+    fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float
+) -> T:
+    """Run `fn` on this rank; then rank 0 alone goes on past `launch`, as under
+    `python script.py`, where the code after `launch` runs once, in the parent."""
+    global _OTHER_RANKS_ENDED
+    if _OTHER_RANKS_ENDED:
+        # Its process group could never form: rank 0 would wait for ranks that are gone.
+        raise ConfigError(
+            "under ddpkit run or torchrun the ranks other than 0 end when launch returns, "
+            "so a second launch cannot start: launch once, with all the distributed work "
+            "in fn (or run the script with python, where each launch starts its workers)"
+        )
+    several = int(os.environ["WORLD_SIZE"]) > 1
+    rank0 = int(os.environ["RANK"]) == 0
+    try:
+        result = _run_in_place(fn, args, backend, timeout_s)
+    finally:
+        # Even if fn raised here: the ranks whose fn returned have ended.
+        _OTHER_RANKS_ENDED = several and rank0
+    if several and not rank0:
+        # The group is destroyed. SystemExit, not os._exit: the script's `finally`
+        # blocks and exit hooks still run, and ddpkit run's shim counts exit code 0
+        # as a rank that finished.
+        raise SystemExit(0)
+    return result
+
+
 def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
     env = os.environ
     rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
@@ -320,7 +408,8 @@ def _spawn(
     start: StartMethod,
 ) -> T:
     _check_picklable(fn)
-    method = start_method(start, backend)
+    unimportable = _unimportable(fn, args)
+    method = start_method(start, backend, unimportable=unimportable)
     mp: Any = multiprocessing.get_context(method)
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
@@ -345,6 +434,11 @@ def _spawn(
         inherited_fd=listener.fileno() if listener and method == "fork" else None,
     )
     log.debug("starting %d workers with %s", n, method)
+    # Python 3.12+ warns at every fork while threads run. "auto" forks then only for a
+    # function from a notebook or python -c, whose kernel threads a worker never uses
+    # (see start_method): the warning would only alarm the user. Asked for by name,
+    # fork keeps Python's warning.
+    quiet_fork = start == "auto" and method == "fork"
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
     forwarder = SignalForwarder(
@@ -359,7 +453,12 @@ def _spawn(
                 target=_worker, args=(rank, spec, fn, args, send), name=f"ddpkit-rank{rank}"
             )
             try:
-                proc.start()
+                with warnings.catch_warnings():
+                    if quiet_fork:
+                        warnings.filterwarnings(
+                            "ignore", "This process .* is multi-threaded", DeprecationWarning
+                        )
+                    proc.start()
             except (AttributeError, TypeError, ValueError) as exc:  # pickling fn or args
                 raise ConfigError(
                     f"cannot send {getattr(fn, '__name__', fn)!r} or its arguments to the "
@@ -386,7 +485,11 @@ def _spawn(
 
 def _check_picklable(fn: Callable[..., Any]) -> None:
     """A forked worker needs no pickled `fn`, a spawned one does: refuse what cannot
-    pickle either way, so a job that runs here also runs where workers are spawned."""
+    pickle either way, so a job that runs here also runs where workers are spawned.
+
+    A function from a notebook or `python -c` pickles (by name) but a spawned worker
+    cannot find it, so it is always forked (see start_method); it is held to the same
+    rule all the same, so that once moved into a .py file it runs there unchanged."""
     try:
         pickle.dumps(fn)
     except (AttributeError, TypeError, ValueError, pickle.PicklingError) as exc:
@@ -394,6 +497,68 @@ def _check_picklable(fn: Callable[..., Any]) -> None:
             f"cannot send {getattr(fn, '__name__', fn)!r} to the workers ({exc}): define "
             "the function at module level"
         ) from exc
+
+
+def _main_kind() -> Literal["importable", "interactive", "unreadable"]:
+    """How a spawned worker fares with this process's `__main__`. multiprocessing imports
+    it again by module name (`python -m`) or from its file (`python script.py`); it skips
+    one without a file (Jupyter, `python -c`), whose functions are then missing; and it
+    fails on a file that is not one (`python -` reads stdin and names it "<stdin>")."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return "importable"
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return "interactive"
+    return "importable" if os.path.isfile(path) else "unreadable"
+
+
+class _NullWriter:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles to nowhere, noting the first function or class from `__main__` it meets."""
+
+    def __init__(self) -> None:
+        super().__init__(cast(io.BufferedWriter, _NullWriter()), pickle.HIGHEST_PROTOCOL)
+        self.found: str | None = None
+
+    def persistent_id(self, obj: Any) -> None:
+        if (
+            self.found is None
+            and isinstance(obj, (type, types.FunctionType))
+            and obj.__module__ == "__main__"
+        ):
+            self.found = obj.__qualname__
+        # None: pickle `obj` as usual.
+
+    def reducer_override(self, obj: Any) -> Any:
+        # A tensor holds data, never a function: skip copying it (a dataset may be large).
+        if isinstance(obj, torch.Tensor):
+            return (tuple, ())
+        return NotImplemented
+
+
+def _unimportable(fn: Callable[..., Any], args: tuple[Any, ...]) -> str | None:
+    """The name of a function or class, in `fn` or in its arguments, that a spawned worker
+    cannot import: one defined in a notebook, `python -c` or a script read from stdin
+    (from stdin no spawned worker starts at all: then `fn`'s name). None when there is
+    none, at once when `__main__` is a file (the usual case)."""
+    kind = _main_kind()
+    if kind == "importable":
+        return None
+    if kind == "unreadable":
+        return str(getattr(fn, "__qualname__", fn))
+    finder = _MainFinder()
+    for obj in (fn, args):
+        # What cannot pickle at all is refused elsewhere (or needs no pickling: a fork).
+        with contextlib.suppress(Exception):
+            finder.dump(obj)
+        if finder.found is not None:
+            return finder.found
+    return None
 
 
 # After every rank has returned its result, how long a worker may take to exit.
