@@ -83,6 +83,14 @@ def test_the_start_line_says_how_the_run_trains(tmp_path: Path) -> None:
     )
 
 
+def test_a_new_run_into_a_used_run_dir_says_where_the_old_records_went(tmp_path: Path) -> None:
+    lines: list[str] = []
+    config = TrainConfig(epochs=1, batch_size=8, run_dir=str(tmp_path))
+    _trainer(config).fit()
+    _trainer(config, lines=lines).fit()
+    assert lines[1] == f"{tmp_path} held another run's records: kept as metrics.1.jsonl"
+
+
 def test_the_bar_counts_epochs_of_all_and_shows_the_loss_between_log_lines() -> None:
     # log_every (50) is never reached in these 8 steps: the loss still shows.
     text = _fit_with_bar(TrainConfig(epochs=2, batch_size=8, progress=True), callbacks=[_Slow(0.3)])

@@ -278,6 +278,8 @@ class Trainer:
         cfg = self.config
         runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
         self.say(self._start_line())
+        if runlog.kept is not None:
+            self.say(f"{cfg.run_dir} held another run's records: kept as {runlog.kept.name}")
         self._call("on_fit_start")
         samples, train_time, loss = 0, 0.0, math.nan
         metrics: dict[str, float] = {}
