@@ -44,3 +44,17 @@ def test_ranks_in_different_collectives_are_a_hang_once_the_last_has_waited() ->
     assert judge.judge(statuses, now=NOW)[0] is None  # rank 1 was busy until a second ago
     hang, _ = judge.judge(statuses, now=NOW + 5)
     assert hang is not None and "different collectives" in hang.why
+
+
+def _parked(since: float) -> dict[str, Any]:
+    """Idle at one line since `since`: no CPU, no reading, no child, in no collective."""
+    return {"state": "running", "sampled": NOW - 0.5, "moved": since, "active": since}
+
+
+def test_rank_0_alone_after_the_others_finished_is_never_a_hang() -> None:
+    # Under `ddpkit run`, ranks 1.. end after `launch` and rank 0 goes on alone (an
+    # upload, an idle wait): no rank waits in a collective, so nothing can be stuck on
+    # another rank, however long rank 0 takes.
+    judge = HangJudge(hang_timeout=5.0, world_size=3)
+    statuses = {0: _parked(NOW - 60), 1: _finished(NOW - 60, 1), 2: _finished(NOW - 60, 1)}
+    assert judge.judge(statuses, now=NOW) == (None, None)

@@ -227,21 +227,17 @@ def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) 
     assert wait_gone(_pids(tmp_path), within=5) == []
 
 
-def test_a_rank_that_ended_its_script_is_described_as_finished(tmp_path: Path) -> None:
-    # It used to be shown "at .../ddpkit/_shim.py:40 in main", where the shim waited.
-    script = _script(
-        tmp_path,
-        "ends.py",
-        PIDS + "import time\nif rank == 1:\n    time.sleep(10**6)  # never ends\n",
-    )
+def test_a_rank_idle_past_the_timeout_while_the_other_has_finished_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    # No rank is in a collective, so no rank can be stuck on another: rank 1's long
+    # idle wait is its own business (it used to be stopped as a hang).
+    script = _script(tmp_path, "ends.py", PIDS + "import time\nif rank == 1:\n    time.sleep(8)\n")
     out = run_cli(
-        "run", "--nproc", "2", "--hang-timeout", "5", str(script), env={"PID_DIR": str(tmp_path)}
+        "run", "--nproc", "2", "--hang-timeout", "3", str(script), env={"PID_DIR": str(tmp_path)}
     )
-    assert out.returncode == 124, out.stderr
-    summary = out.stderr[out.stderr.index("ddpkit: the job is hung") :]
-    assert "rank 0: finished" in summary and "shim.py" not in summary, summary
-    assert f"rank 1: not in a collective, at {script}:8" in summary, summary
-    assert wait_gone(_pids(tmp_path), within=5) == []
+    assert out.returncode == 0, out.stderr
+    assert "hung" not in out.stderr and "notice" not in out.stderr, out.stderr
 
 
 def _free_port() -> int:
@@ -480,3 +476,27 @@ def test_info_describes_this_machine() -> None:
     assert facts["free_loopback_port"] is True and facts["problems"] == []
     text = run_cli("info").stdout
     assert "backends: gloo" in text and "no problems found" in text
+
+
+def test_rank_0_idle_after_launch_while_the_others_ended_is_not_a_hang(tmp_path: Path) -> None:
+    # Under `ddpkit run` ranks 1.. end after `launch`; rank 0 then idles (an upload, a
+    # wait) longer than --hang-timeout, with no rank in a collective: nothing is stuck.
+    script = _script(
+        tmp_path,
+        "after.py",
+        """
+        import time
+        import ddpkit
+
+        def work(ctx):
+            return ctx.world_size
+
+        if __name__ == "__main__":
+            world = ddpkit.launch(work)
+            time.sleep(12)
+            print("done", world, flush=True)
+        """,
+    )
+    out = run_cli("run", "--nproc", "2", "--hang-timeout", "3", str(script))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["done 2"], out.stdout

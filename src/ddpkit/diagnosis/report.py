@@ -128,7 +128,8 @@ class HangJudge:
     - some rank polls (its stack moves, but it uses no CPU): uncertain: notices, and a
       stop once the waiting has lasted `collective_timeout` s (the collectives would
       fail then anyway).
-    A rank whose report is missing (a node not seen yet) stops any decision.
+    A rank whose report is missing (a node not seen yet) stops any decision, and so does
+    a job in which no rank is in a collective (finished ranks wait for no one in it).
     """
 
     def __init__(
@@ -148,7 +149,10 @@ class HangJudge:
         kinds = {rank: self._kind(s, now) for rank, s in statuses.items()}
         waiters = [r for r, k in kinds.items() if k in ("waiting", "finished")]
         others = [r for r, k in kinds.items() if k not in ("waiting", "finished")]
-        if not waiters or all(k == "finished" for k in kinds.values()):
+        if "waiting" not in kinds.values():
+            # No rank is in a collective, so none can be stuck on another: ranks that
+            # finished wait only for the job's end (under `ddpkit run`, ranks 1.. end
+            # after `launch` while rank 0 goes on alone, as long as it likes).
             return None, None
         waited = now - min(float(_since(statuses[r])) for r in waiters)
         if waited < self.timeout:
