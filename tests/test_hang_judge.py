@@ -51,10 +51,13 @@ def _parked(since: float) -> dict[str, Any]:
     return {"state": "running", "sampled": NOW - 0.5, "moved": since, "active": since}
 
 
-def test_rank_0_alone_after_the_others_finished_is_never_a_hang() -> None:
-    # Under `ddpkit run`, ranks 1.. end after `launch` and rank 0 goes on alone (an
-    # upload, an idle wait): no rank waits in a collective, so nothing can be stuck on
-    # another rank, however long rank 0 takes.
+def test_rank_0_alone_after_launch_released_the_others_is_never_a_hang() -> None:
+    # Under `ddpkit run`, ranks 1.. end after `launch` ("released") and rank 0 goes on
+    # alone (an upload, an idle wait) as long as it likes: no rank waits for it.
     judge = HangJudge(hang_timeout=5.0, world_size=3)
-    statuses = {0: _parked(NOW - 60), 1: _finished(NOW - 60, 1), 2: _finished(NOW - 60, 1)}
+    released = {**_finished(NOW - 60, 1), "state": "released"}
+    statuses = {0: _parked(NOW - 60), 1: released, 2: released}
     assert judge.judge(statuses, now=NOW) == (None, None)
+    # A rank that merely finished still waits for the others: then it is a hang.
+    hang, _ = judge.judge({**statuses, 2: _finished(NOW - 60, 1)}, now=NOW)
+    assert hang is not None and "stayed at one line" in hang.why

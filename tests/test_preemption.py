@@ -26,7 +26,7 @@ from tests.conftest import run_cli, wait_gone
 
 EPOCHS = 24
 SEED_JOB = ("train", "--example", "seed", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
-TRIALS = 10
+TRIALS = 6
 
 
 def _digest(proc: subprocess.CompletedProcess[str]) -> str:

@@ -227,17 +227,21 @@ def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) 
     assert wait_gone(_pids(tmp_path), within=5) == []
 
 
-def test_a_rank_idle_past_the_timeout_while_the_other_has_finished_is_left_alone(
-    tmp_path: Path,
-) -> None:
-    # No rank is in a collective, so no rank can be stuck on another: rank 1's long
-    # idle wait is its own business (it used to be stopped as a hang).
-    script = _script(tmp_path, "ends.py", PIDS + "import time\nif rank == 1:\n    time.sleep(8)\n")
-    out = run_cli(
-        "run", "--nproc", "2", "--hang-timeout", "3", str(script), env={"PID_DIR": str(tmp_path)}
+def test_a_rank_that_ended_its_script_is_described_as_finished(tmp_path: Path) -> None:
+    # It used to be shown "at .../ddpkit/_shim.py:40 in main", where the shim waited.
+    script = _script(
+        tmp_path,
+        "ends.py",
+        PIDS + "import time\nif rank == 1:\n    time.sleep(10**6)  # never ends\n",
     )
-    assert out.returncode == 0, out.stderr
-    assert "hung" not in out.stderr and "notice" not in out.stderr, out.stderr
+    out = run_cli(
+        "run", "--nproc", "2", "--hang-timeout", "5", str(script), env={"PID_DIR": str(tmp_path)}
+    )
+    assert out.returncode == 124, out.stderr
+    summary = out.stderr[out.stderr.index("ddpkit: the job is hung") :]
+    assert "rank 0: finished" in summary and "shim.py" not in summary, summary
+    assert f"rank 1: not in a collective, at {script}:8" in summary, summary
+    assert wait_gone(_pids(tmp_path), within=5) == []
 
 
 def _free_port() -> int:

@@ -350,6 +350,11 @@ def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeo
 _OTHER_RANKS_ENDED = False
 
 
+class ReleasedByLaunch(SystemExit):
+    """How a rank other than 0 ends once `launch` has run `fn` under an agent: exit
+    status 0, and `ddpkit run`'s hang watch knows it waits for no one."""
+
+
 def _run_under_agent(
     fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float
 ) -> T:
@@ -374,7 +379,7 @@ def _run_under_agent(
         # The group is destroyed. SystemExit, not os._exit: the script's `finally`
         # blocks and exit hooks still run, and ddpkit run's shim counts exit code 0
         # as a rank that finished.
-        raise SystemExit(0)
+        raise ReleasedByLaunch(0)
     return result
 
 

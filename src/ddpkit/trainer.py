@@ -277,7 +277,8 @@ class Trainer:
     def _epochs(self) -> FitResult:
         cfg = self.config
         runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
-        self.say(self._start_line())
+        if self.epoch < cfg.epochs and not self.should_stop:  # else resume said why not
+            self.say(self._start_line())
         if runlog.kept is not None:
             self.say(f"{cfg.run_dir} held another run's records: kept as {runlog.kept.name}")
         self._call("on_fit_start")

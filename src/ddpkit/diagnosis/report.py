@@ -128,8 +128,9 @@ class HangJudge:
     - some rank polls (its stack moves, but it uses no CPU): uncertain: notices, and a
       stop once the waiting has lasted `collective_timeout` s (the collectives would
       fail then anyway).
-    A rank whose report is missing (a node not seen yet) stops any decision, and so does
-    a job in which no rank is in a collective (finished ranks wait for no one in it).
+    A rank whose report is missing (a node not seen yet) stops any decision. A rank
+    that `launch` released under an agent (its part is done; rank 0 goes on with the
+    script alone) waits for no one and is left out.
     """
 
     def __init__(
@@ -147,12 +148,12 @@ class HangJudge:
         if self.timeout <= 0 or any(r not in statuses for r in range(self.world_size)):
             return None, None
         kinds = {rank: self._kind(s, now) for rank, s in statuses.items()}
+        # Ranks that `launch` let go under an agent wait for no one: the script goes on
+        # in rank 0 alone, as long as it likes (see launcher._run_under_agent).
+        kinds = {rank: k for rank, k in kinds.items() if k != "released"}
         waiters = [r for r, k in kinds.items() if k in ("waiting", "finished")]
         others = [r for r, k in kinds.items() if k not in ("waiting", "finished")]
-        if "waiting" not in kinds.values():
-            # No rank is in a collective, so none can be stuck on another: ranks that
-            # finished wait only for the job's end (under `ddpkit run`, ranks 1.. end
-            # after `launch` while rank 0 goes on alone, as long as it likes).
+        if not waiters or all(k == "finished" for k in kinds.values()):
             return None, None
         waited = now - min(float(_since(statuses[r])) for r in waiters)
         if waited < self.timeout:
@@ -185,8 +186,8 @@ class HangJudge:
         return None, self._notice(statuses, kinds, waiters, others, waited, now)
 
     def _kind(self, status: dict[str, Any], now: float) -> str:
-        if status.get("state") == "finished":
-            return "finished"
+        if status.get("state") in ("finished", "released"):
+            return str(status["state"])
         if status.get("collective"):
             return "waiting"
         if now - float(status.get("active", now)) < self.timeout:

@@ -91,7 +91,7 @@ def _note_process_group(folder: Path, rank: int) -> None:
 def main() -> None:
     from ddpkit.diagnosis.watchdog import Watchdog, record_error, write_json
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
-    from ddpkit.launcher import die_with_parent, exit_now
+    from ddpkit.launcher import ReleasedByLaunch, die_with_parent, exit_now
 
     # Never outlive the agent, even if it is killed with SIGKILL.
     parent = os.environ.get("DDPKIT_PARENT_PID")
@@ -112,7 +112,7 @@ def main() -> None:
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
     sys.argv = [target, *rest]
-    code = 0
+    code, released = 0, False
     try:
         if as_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
@@ -124,6 +124,7 @@ def main() -> None:
         if folder is not None:
             write_json(folder / f"rank{rank}.preempted.json", {"message": str(exc)})
     except SystemExit as exc:
+        released = isinstance(exc, ReleasedByLaunch)
         if exc.code not in (0, None):
             if isinstance(exc.code, str):
                 print(exc.code, file=sys.stderr)
@@ -142,7 +143,8 @@ def main() -> None:
         if folder is not None:
             record_error(folder, rank, exc)
     if code == 0 and watchdog is not None:
-        watchdog.finish()  # it now waits for the others: not hung
+        # It now waits for the others (not hung), or, released by launch, for no one.
+        watchdog.finish("released" if released else "finished")
     # Like a spawned worker of `launch`: no interpreter shutdown, which gloo's threads
     # can turn into an abort (SIGABRT) even after a clean run.
     exit_now(code)

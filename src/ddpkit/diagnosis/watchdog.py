@@ -222,8 +222,10 @@ class Watchdog:
     def stop(self) -> None:
         self._stop.set()
 
-    def finish(self) -> None:
-        """Say that this rank has returned: it waits for nothing but the job's end."""
+    def finish(self, state: str = "finished") -> None:
+        """Say that this rank has returned: it waits for nothing but the job's end.
+        `state` "released": `launch` let it go under an agent, while rank 0 goes on
+        alone (it waits for no one, see HangJudge)."""
         self._stop.set()
         with self._lock, contextlib.suppress(Exception):
             now = time.time()
@@ -231,7 +233,7 @@ class Watchdog:
                 {
                     "rank": self.rank,
                     "pid": os.getpid(),
-                    "state": "finished",
+                    "state": state,
                     "sampled": now,
                     "moved": now,
                     "active": now,
