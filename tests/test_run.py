@@ -353,24 +353,9 @@ def test_a_killed_jobs_scratch_folder_is_swept_by_the_next_job(tmp_path: Path) -
     assert sorted(p.name for p in scratch.iterdir()) == []
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_ddpkit_run_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
-    script = _script(tmp_path, "sleep.py", SLEEP)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
-        env={**os.environ, "PID_DIR": str(tmp_path)},
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    wait_for_files([tmp_path / "0.pid", tmp_path / "1.pid"])
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig, err
-    assert wait_gone(_pids(tmp_path)) == []
-
-
-def test_ctrl_c_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+def _sleeping_job(tmp_path: Path, *, own_group: bool = False) -> subprocess.Popen[str]:
+    """`ddpkit run` of SLEEP on 2 ranks, returned once both ranks have started;
+    `own_group`: in a process group of its own, as a terminal's job is."""
     script = _script(tmp_path, "sleep.py", SLEEP)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
@@ -379,9 +364,23 @@ def test_ctrl_c_stops_every_rank_in_one_line(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # a process group: the terminal's Ctrl-C reaches all of it
+        start_new_session=own_group,
     )
     wait_for_files([tmp_path / "0.pid", tmp_path / "1.pid"])
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_ddpkit_run_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
+    proc = _sleeping_job(tmp_path)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err
+    assert wait_gone(_pids(tmp_path)) == []
+
+
+def test_ctrl_c_stops_every_rank_in_one_line(tmp_path: Path) -> None:
+    proc = _sleeping_job(tmp_path, own_group=True)  # the terminal's Ctrl-C reaches all of it
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
