@@ -142,7 +142,7 @@ def test_verify_passes_sharded_with_clipping_and_accumulation_and_resumes_exactl
     assert ddpkit.verify("digits", TrainConfig(strategy="fsdp"), steps=4, resume=True).passed
 
 
-def _fit_uneven_stream(ctx: DistContext) -> tuple[int, str]:
+def _fit_uneven_stream(ctx: DistContext, strategy: str = "fsdp") -> list[Any]:
     from tests.test_trainer_features import _mlp, _Stream
 
     ddpkit.seed_everything(0)
@@ -151,15 +151,79 @@ def _fit_uneven_stream(ctx: DistContext) -> tuple[int, str]:
         lambda params: torch.optim.SGD(params, lr=0.05),
         _Stream(ctx.rank),  # rank 0 has 10 samples, rank 1 has 22
         ctx,
-        TrainConfig(epochs=2, batch_size=4, strategy="fsdp", progress=False),
+        TrainConfig(epochs=2, batch_size=4, strategy=strategy, progress=False),  # type: ignore[arg-type]
         loss_fn=nn.functional.mse_loss,
         log_fn=lambda s: None,
     )
     trainer.fit()
-    return trainer.global_step, ddpkit.model_digest(trainer.model)
+    params = [ddpkit.fsdp.gathered(p).detach().clone() for p in trainer.model.parameters()]
+    ranks: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(ranks, (trainer.global_step, params))
+    return ranks
 
 
 def test_uneven_shards_train_sharded_without_join() -> None:
-    steps, digest = launch(_fit_uneven_stream, nprocs=2, hang_timeout=60)
+    ranks = launch(_fit_uneven_stream, nprocs=2, hang_timeout=60)
+    steps, params = ranks[0]
+    assert ranks[1][0] == steps  # every rank: the same steps and the same model
+    assert all(torch.equal(a, b) for a, b in zip(params, ranks[1][1], strict=True))
     assert steps == 2 * 6  # the longer shard's 6 batches, every rank stepping together
-    assert len(digest) == 64
+    # The same job unsharded: the same training, up to the rounding of another reduction.
+    ddp_steps, ddp_params = launch(_fit_uneven_stream, "ddp", nprocs=2, hang_timeout=60)[0]
+    assert ddp_steps == steps
+    for a, b in zip(params, ddp_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _fsdp_job(ctx: DistContext, opts: dict[str, Any]) -> list[Any]:
+    """A sharded Trainer on uneven or logged work; every rank's (step, digest, eval)."""
+    from tests.test_trainer_features import _data, _mlp, _Stream
+
+    ddpkit.seed_everything(0)
+    config = TrainConfig(
+        epochs=2, batch_size=4, strategy="fsdp", progress=False, **opts.get("config", {})
+    )
+    trainer = ddpkit.Trainer(
+        _mlp(),
+        lambda params: torch.optim.AdamW(params, lr=0.01),
+        _Stream(ctx.rank) if opts.get("stream") else _data(24),
+        ctx,
+        config,
+        loss_fn=nn.functional.mse_loss,
+        eval_set=_data(9) if opts.get("eval") else None,
+        log_fn=lambda s: None,
+    )
+    fit = trainer.fit()
+    mine = (trainer.global_step, ddpkit.model_digest(trainer.model), fit.eval)
+    ranks: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(ranks, mine)
+    return ranks
+
+
+def test_a_run_log_without_clipping_logs_the_sharded_grad_norm(tmp_path: Path) -> None:
+    # The grad norm of the step log is a collective under FSDP: rank 0 alone hung in it.
+    config = {"run_dir": str(tmp_path), "log_every": 2}
+    ranks = launch(_fsdp_job, {"config": config}, nprocs=2, timeout=60, hang_timeout=30)
+    assert ranks[0][:2] == ranks[1][:2]
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    norms = [x["grad_norm"] for x in steps if x["kind"] == "step"]
+    assert len(norms) == 3 and all(n > 0 for n in norms)  # steps 2, 4, 6 of 6
+
+
+def test_uneven_eval_batches_evaluate_sharded() -> None:
+    # 9 eval samples, batch 4: rank 0 runs 2 eval batches, rank 1 one; every FSDP
+    # forward gathers, so the ranks must run as many forwards as each other.
+    ranks = launch(_fsdp_job, {"eval": True}, nprocs=2, timeout=60, hang_timeout=30)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][2]["eval_samples"] == 9
+
+
+def test_uneven_shards_with_accumulation_train_sharded() -> None:
+    # Rank 0's stream has 3 batches, rank 1's 6: with accumulate 2, rank 0's last group
+    # is short, so it ran fewer forwards (and gathers) than rank 1.
+    config = {"accumulate": 2}
+    ranks = launch(
+        _fsdp_job, {"stream": True, "config": config}, nprocs=2, timeout=60, hang_timeout=30
+    )
+    assert ranks[0] == ranks[1]
+    assert ranks[0][0] == 2 * 3  # rank 1's 6 batches in groups of 2, each epoch

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -121,6 +122,27 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod  # type: ignore[assignment]
         else:
             return model
+
+
+def sync_buffers(model: nn.Module, ctx: DistContext) -> None:
+    """Give every rank rank 0's buffers (BatchNorm's running statistics). A collective.
+
+    DDP copies rank 0's buffers to the others before each forward, but a forward then
+    updates each rank's own copy: without synchronized BatchNorm the ranks end a step
+    with different statistics, and FSDP never copies them at all. Call it before an
+    evaluation, a checkpoint or a digest that should see one model (`Trainer` does, and
+    so does `save_state`). One broadcast per dtype of buffer.
+    """
+    if not ctx.distributed:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in unwrap(model).buffers():
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    for buffers in by_dtype.values():
+        flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+        dist.broadcast(flat, src=0)
+        for buffer, part in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            buffer.data.copy_(part.view_as(buffer))
 
 
 def find_ddp(model: nn.Module) -> DDP | None:

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.batches import (
@@ -42,11 +42,11 @@ from ddpkit.checkpoint import (
 )
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
-from ddpkit.data import prepare_loader
+from ddpkit.data import ShardSampler, prepare_loader
 from ddpkit.errors import CheckpointError, ConfigError, Preempted
-from ddpkit.fsdp import as_sharded
+from ddpkit.fsdp import as_sharded, gathered
 from ddpkit.metrics import reduce_sums
-from ddpkit.model import find_ddp, prepare_model, unwrap
+from ddpkit.model import find_ddp, prepare_model, sync_buffers, unwrap
 from ddpkit.precision import DTYPES
 from ddpkit.preemption import StopVote, saving_on_signal
 from ddpkit.ranks import broadcast_object
@@ -316,6 +316,9 @@ class Trainer:
                     break
             if self._vote is not None:
                 self._vote.close()
+            # Without synchronized BatchNorm (or under FSDP, which never broadcasts
+            # buffers) each rank's running statistics drifted: end with rank 0's.
+            sync_buffers(self.model, self.ctx)
         finally:
             runlog.close()
         result = FitResult(
@@ -341,13 +344,15 @@ class Trainer:
         # trained. A map-style dataset skips their indices without loading them; an
         # IterableDataset can only read past them.
         skip = self.batch
-        skipped = bool(skip) and self.train_loader.skip(skip)
+        # Uneven shards read past their trained batches: a rank whose shard ran out
+        # before the save keeps the last one as its stand-in (see _agreed_groups).
+        skipped = bool(skip) and not self._uneven and self.train_loader.skip(skip)
         batches = _length(self.train_loader)
         total = None if batches is None else batches + (skip if skipped else 0)
         batch_iter = iter(self.train_loader)
         if skip and not skipped:
-            for _ in itertools.islice(batch_iter, skip):
-                pass
+            for passed in itertools.islice(batch_iter, skip):
+                self._last_batch = passed
         if self._resume_rng is not None:  # after the skip, which may draw random numbers
             set_rng_state(self._resume_rng)
             self._resume_rng = None
@@ -414,6 +419,9 @@ class Trainer:
         and scheduler states stay bit-identical, and no sample is dropped.
         """
         k, world = self.config.accumulate, self.ctx.world_size
+        # Under FSDP every forward gathers parameters: the ranks must run as many
+        # micro-batches as each other, so each also says how many it has (one-hot).
+        lengths = k if self._sharded is not None and k > 1 else 0
         batch_iter = iter(batch_iter)
         position = skip  # in micro-batches of whole groups, the same on every rank
         while True:
@@ -421,7 +429,10 @@ class Trainer:
             position += k
             counts = [count_samples(b) for b in group]
             stranded = not group and self._last_batch is None
-            step_total, any_stranded = reduce_sums([sum(counts), int(stranded)], self.ctx)
+            have = [int(len(group) == m) for m in range(1, lengths + 1)]
+            step_total, any_stranded, *longest = reduce_sums(
+                [sum(counts), int(stranded), *have], self.ctx
+            )
             if step_total == 0:
                 return
             if any_stranded:
@@ -430,13 +441,15 @@ class Trainer:
                     "each rank's share of the data (an IterableDataset or train_sampler "
                     "that shards itself) must hold at least one batch"
                 )
-            if not group:
-                yield self._last_batch, (0.0, 1.0), True, position
-                continue
-            self._last_batch = group[-1]
+            runs = max((m for m, c in enumerate(longest, 1) if c), default=max(len(group), 1))
+            if group:
+                self._last_batch = group[-1]
             for m, (batch, n) in enumerate(zip(group, counts, strict=True)):
                 # DDP averages over the ranks; this rank's part of the step's mean.
-                yield batch, (float(world * n), step_total), m == len(group) - 1, position
+                yield batch, (float(world * n), step_total), m == runs - 1, position
+            # No data left here (or less than another rank's): take part, change nothing.
+            for m in range(len(group), runs):
+                yield self._last_batch, (0.0, 1.0), m == runs - 1, position
 
     def _optimizer_step(self, window: _Window | None) -> None:
         if self.scaler is not None:
@@ -445,12 +458,13 @@ class Trainer:
             norm = torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
             if window is not None:
                 window.grad_norm = norm
-        elif window is not None and (self.global_step + 1) % self.config.log_every == 0:
-            grads = [p.grad.detach().float() for p in self._params if p.grad is not None]
+        elif self._logs_grad_norm(window):
+            grads = [p.grad.detach() for p in self._params if p.grad is not None]
             if grads:
-                window.grad_norm = torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g) for g in grads])
-                )
+                # A sharded gradient's norm is a collective: every rank computes it.
+                norm = gathered(torch.nn.utils.get_total_norm(grads))
+                if window is not None:
+                    window.grad_norm = norm
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -460,6 +474,16 @@ class Trainer:
         if self.scheduler is not None and self.config.scheduler_interval == "step":
             self.scheduler.step()
         self.global_step += 1
+
+    def _logs_grad_norm(self, window: _Window | None) -> bool:
+        """Whether this step's gradient norm goes to the run log. Under FSDP every rank
+        computes it (a collective), so the answer must not depend on the rank: it follows
+        the config, which every rank shares, not rank 0's window."""
+        if (self.global_step + 1) % self.config.log_every:
+            return False
+        if self._sharded is not None:
+            return self.config.run_dir is not None
+        return window is not None
 
     def _after_step(self, window: _Window | None, runlog: RunLog, epoch: int) -> None:
         if self.callbacks:
@@ -484,19 +508,24 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Exact loss (and accuracy for class logits) over the whole eval set.
 
-        Each sample is counted once (no padding); ranks run no collective per batch, so
-        shards of unequal length are fine. Call on every rank.
+        Each sample is counted once (no padding), so ranks may hold one batch more than
+        others. With DDP they run no collective per batch; under FSDP every forward
+        gathers parameters, so a rank with fewer batches runs its last one again
+        (uncounted). Call on every rank.
         """
         if self.eval_loader is None:
             raise ConfigError("evaluate() needs an eval_set: pass Trainer(..., eval_set=...)")
+        sync_buffers(self.model, self.ctx)  # rank 0's BatchNorm statistics on every rank
         model = unwrap(self.model)  # no DDP forward hooks: nothing to sync in eval
         was_training = model.training
         model.eval()
         device = self.ctx.device
         sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
         count, classify = 0, False
+        batches = 0
         try:
             for batch in self._open_bar(self.eval_loader, "eval", _length(self.eval_loader)):
+                batches += 1
                 n = count_samples(batch)
                 batch = to_device(batch, device)
                 with self._autocast():
@@ -511,6 +540,8 @@ class Trainer:
                     weighted = torch.as_tensor(value, device=device).detach().double() * n
                     sums[name] = sums[name] + weighted if name in sums else weighted
                 count += n
+            if self._sharded is not None:
+                self._gather_as_often_as_rank_0(model, batches)
         finally:
             self._close_bar()
         model.train(was_training)
@@ -527,6 +558,24 @@ class Trainer:
             metrics["accuracy"] = accuracy
         self._call("on_evaluate", metrics)
         return metrics
+
+    def _gather_as_often_as_rank_0(self, model: nn.Module, batches: int) -> None:
+        """Run uncounted forwards until this rank has run as many as rank 0, which holds
+        the most eval batches (shards differ by at most one sample): FSDP's parameter
+        gathers must pair up over the ranks."""
+        loader = cast(DataLoader[Any], self.eval_loader)
+        shard = cast(ShardSampler, loader.sampler)
+        longest = math.ceil(
+            len(range(0, shard.length, shard.world_size)) / (loader.batch_size or 1)
+        )
+        if batches >= longest:
+            return
+        # The eval set's first sample stands in (a rank may have had none at all).
+        first = DataLoader(loader.dataset, batch_size=1, collate_fn=loader.collate_fn)
+        stand_in = to_device(next(iter(first)), self.ctx.device)
+        for _ in range(longest - batches):
+            with self._autocast():
+                self._loss(model, stand_in)
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -558,6 +607,7 @@ class Trainer:
         a callback's `on_step_end`: a resumed run then continues with the next batch."""
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
+        sync_buffers(self.model, self.ctx)  # the checkpoint holds rank 0's; so does every rank
         if self._shards:  # every rank writes its part of model and optimizer
             state, shards = self._training_state(), tensors_of(self.model, self.optimizer)
         else:
