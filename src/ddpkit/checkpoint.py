@@ -369,8 +369,10 @@ def check_same_model(model: nn.Module, state: dict[str, Any], path: str | os.Pat
 
 def model_class_name(model: nn.Module) -> str:
     """The class of the bare `model`, as a person would import it ("torch.nn.Linear",
-    "mypackage.nets.ResNet")."""
+    "mypackage.nets.ResNet"); of a model sharded with FSDP, the class it was built as."""
     cls = type(unwrap(model))
+    # fully_shard gives the model a class of its own (FSDPNet: FSDPModule and Net).
+    cls = next(c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.fsdp"))
     module = cls.__module__
     if module.startswith("torch.nn.modules."):  # torch.nn.modules.linear.Linear
         module = "torch.nn"
@@ -490,7 +492,7 @@ def _load(path: Path, ctx: DistContext) -> tuple[dict[str, Any], str]:
     except FileNotFoundError:
         raise _Unreadable(
             f"checkpoint {path} does not exist",
-            "pass the path of an existing ckpt-*.pt file",
+            "pass the path of an existing ckpt-*.pt file or ckpt-*.dcp folder",
             "vanished",
             "it no longer exists",
         ) from None

@@ -40,6 +40,11 @@ Files are `ckpt-<step>.pt`, as `save_checkpoint` writes them (rank 0 writes a te
 file, fsyncs and renames it), and `load_state` resumes from the newest one that loads
 (rank 0 chooses; every rank loads that very file). A file that loads is one that a
 weights-only `torch.load` accepts, mapped onto each rank's own device.
+
+A model sharded with `prepare_model(..., strategy="fsdp")` is saved as `Trainer` saves
+it: a folder `ckpt-<step>.dcp` in which every rank writes its own shards of the model
+and optimizer (see `ddpkit.sharded`). It loads on any number of ranks, one process
+included, as the shards are redistributed to fit the job that loads them.
 """
 
 from __future__ import annotations
@@ -57,12 +62,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, load_model_state, save_checkpoint
+from ddpkit.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_state,
+    model_class_name,
+    save_checkpoint,
+)
 from ddpkit.context import DistContext
 from ddpkit.data import DistributedLoader
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.fsdp import as_sharded
 from ddpkit.model import unwrap
 from ddpkit.seed import set_rng_state
+from ddpkit.sharded import META, SUFFIX, load_shards, tensors_of
 
 log = logging.getLogger("ddpkit")
 
@@ -95,7 +108,8 @@ def save_state(
     keep_last: int | None = 3,
 ) -> Path:
     """Save where your loop is, so that `load_state` continues it exactly. Call it on
-    EVERY rank, at the same point of the loop (it is a collective); rank 0 writes.
+    EVERY rank, at the same point of the loop (it is a collective); rank 0 writes
+    (of a sharded model, every rank writes its own shards as well).
 
     Args:
         directory: the checkpoint folder (created if missing).
@@ -120,7 +134,8 @@ def save_state(
         keep_last: keep only the newest this many files (None: keep all).
 
     Returns:
-        The path of the file written (`directory/ckpt-<step>.pt`).
+        The path of the file written (`directory/ckpt-<step>.pt`); of a model sharded
+        with strategy "fsdp", the folder `directory/ckpt-<step>.dcp`.
 
     Raises:
         ConfigError: a negative position, or an `extra` that a weights-only load
@@ -140,13 +155,14 @@ def save_state(
         )
     for key, value in extra.items():
         _check_loadable(value, f"extra[{key!r}]")
+    # A sharded model's state on rank 0 is rank 0's shards alone: every rank writes its
+    # own part, as Trainer does, and the rest of the state goes beside them.
+    shards = tensors_of(model, optimizer) if as_sharded(model) is not None else None
     state: dict[str, Any] = {}
     if ctx.is_main:  # only rank 0's state is written; the others need not build theirs
         bare = unwrap(model)
         state = {
-            "model": bare.state_dict(),
-            "model_class": f"{type(bare).__module__}.{type(bare).__qualname__}",
-            "optimizer": optimizer.state_dict(),
+            "model_class": model_class_name(model),
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "scaler": None if scaler is None else scaler.state_dict(),
             # The names Trainer uses, so either can resume from the other's files.
@@ -156,8 +172,11 @@ def save_state(
             "loader": None if loader is None else _loader_position(loader, epoch),
             "extra": extra,
         }
+        if shards is None:
+            state["model"] = bare.state_dict()
+            state["optimizer"] = optimizer.state_dict()
     # save_checkpoint gathers every rank's RNG streams into the file.
-    return save_checkpoint(state, directory, ctx, step=step, keep_last=keep_last)
+    return save_checkpoint(state, directory, ctx, step=step, keep_last=keep_last, shards=shards)
 
 
 def load_state(
@@ -174,7 +193,9 @@ def load_state(
     collective), after building the model, optimizer, scheduler and loader and
     before the loop.
 
-    The model, optimizer, scheduler and scaler get their saved states. Each rank gets
+    The model, optimizer, scheduler and scaler get their saved states; a sharded state
+    (`ckpt-<step>.dcp`) loads on any number of ranks, so a job may resume on fewer or
+    more processes than saved it (its random streams then start afresh). Each rank gets
     its own random streams back, and the loader is set to the saved epoch and starts
     after the batches already done: your loop's next `for ... in loader` yields the
     batch after the save, without loading the ones before (an IterableDataset reads
@@ -184,9 +205,10 @@ def load_state(
     restored at once and your loop skips the `batch` batches itself.
 
     Args:
-        path: the checkpoint folder (its newest file that loads is used: rank 0
-            chooses, skipping broken files, and every rank loads exactly that file),
-            or one file (an existing file, or a path ending in `.pt`).
+        path: the checkpoint folder (its newest file that loads is used, a `.pt` file
+            or a sharded `.dcp` folder: rank 0 chooses, skipping broken ones, and every
+            rank loads exactly that one), or one checkpoint (an existing file, a path
+            ending in `.pt`, or a sharded checkpoint's `.dcp` folder).
         ctx: this rank's `DistContext`.
         model: the model, bare or wrapped.
         optimizer: as given to `save_state`.
@@ -201,11 +223,12 @@ def load_state(
 
     Raises:
         CheckpointError: a named file that is missing or does not load; a folder whose
-            files all fail to load; a file of another model; or a rank that could not
-            load the file rank 0 chose.
+            files all fail to load; a file of another model; a `.pt` file for a sharded
+            model; or a rank that could not load the file rank 0 chose.
     """
     where = Path(path)
-    named_file = where.suffix == ".pt" or where.is_file()
+    # A sharded checkpoint is a folder too: it is named by its suffix or its meta file.
+    named_file = where.suffix in (".pt", SUFFIX) or where.is_file() or (where / META).is_file()
     if ctx.distributed:  # rank 0 decides, so that no two ranks enter different collectives
         decided = [named_file]
         dist.broadcast_object_list(decided, src=0)
@@ -217,7 +240,9 @@ def load_state(
         if found is None:
             return None
         where, state = found
-    if "optimizer" not in state or "global_step" not in state or "epoch" not in state:
+    # A sharded checkpoint keeps the model and optimizer in its shards, not in the meta file.
+    no_optimizer = "optimizer" not in state and not state.get("sharded")
+    if no_optimizer or "global_step" not in state or "epoch" not in state:
         raise CheckpointError(
             f"{where} was not written by save_state (no optimizer state or position): "
             "pass a file that save_state or Trainer wrote"
@@ -292,6 +317,8 @@ def _load_file(path: Path, ctx: DistContext) -> dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
+    if path.is_dir():  # a sharded checkpoint: its meta file holds what every rank reads
+        path = path / META
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -310,6 +337,54 @@ def _restore_parts(
 ) -> None:
     """Load the states into their objects. Every rank loads the same file into the
     same objects, so a mismatch raises on every rank alike."""
+    if state.get("sharded"):
+        _load_sharded(path, state, model, optimizer)
+    else:
+        _load_whole(path, state, model, optimizer)
+    for name, part in (("scheduler", scheduler), ("scaler", scaler)):
+        if part is None:
+            continue
+        if state.get(name) is None:
+            if ctx.is_main:
+                log.warning("%s holds no %s state: the %s starts afresh", path, name, name)
+            continue
+        part.load_state_dict(state[name])
+
+
+def _load_sharded(
+    path: Path, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Every rank reads its part of the shards (on any number of ranks: a collective)."""
+    # Imported here, as load_shards imports DCP: a loop that never shards never pays for it.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load_shards(path, model, optimizer)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+        # DCP raises the same exception on every rank, holding each rank's own error.
+        cause: BaseException = exc
+        if isinstance(exc, CheckpointException) and exc.failures:
+            cause = next(iter(exc.failures.values()))[0]
+        written = state.get("model_class") or "another model"
+        first = str(cause).strip().splitlines()[0].rstrip(":") if str(cause).strip() else ""
+        raise CheckpointError(
+            f"{path} holds the sharded state of {written}, which does not fit this job's "
+            f"model {model_class_name(model)} or its optimizer "
+            f"({type(cause).__name__}: {first}): give each model its own folder, and build "
+            "the optimizer as the run that saved it did"
+        ) from None
+
+
+def _load_whole(
+    path: Path, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Every rank loads the whole state of one file."""
+    if as_sharded(model) is not None:
+        raise CheckpointError(
+            f"{path} holds the whole state of a model that was not sharded, and this "
+            "model is sharded (strategy fsdp): resume it as it was saved (strategy ddp, "
+            "or one process), or start the sharded run afresh in another folder"
+        )
     try:
         load_model_state(model, state["model"])
     except RuntimeError as exc:  # torch's message lists every key: keep its first line
@@ -326,14 +401,6 @@ def _restore_parts(
             f"{path} holds an optimizer state that does not fit this optimizer ({exc}): "
             "build the optimizer as the run that saved it did"
         ) from None
-    for name, part in (("scheduler", scheduler), ("scaler", scaler)):
-        if part is None:
-            continue
-        if state.get(name) is None:
-            if ctx.is_main:
-                log.warning("%s holds no %s state: the %s starts afresh", path, name, name)
-            continue
-        part.load_state_dict(state[name])
 
 
 # -- the loader's position ---------------------------------------------------------------
