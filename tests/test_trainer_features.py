@@ -14,8 +14,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import IterableDataset, Sampler, TensorDataset
 
+import ddpkit
 from ddpkit import DistContext, launch
-from ddpkit.callbacks import Callback
+from ddpkit.callbacks import Callback, EarlyStopping
 from ddpkit.checkpoint import latest_checkpoint
 from ddpkit.config import TrainConfig
 from ddpkit.digest import model_digest, state_digest
@@ -57,7 +58,7 @@ def _fit(ctx: DistContext, config: TrainConfig, opts: dict[str, Any]) -> dict[st
         config,
         loss_fn=nn.functional.mse_loss,
         scheduler=sched,
-        callbacks=[record],
+        callbacks=[record, *opts.get("callbacks", [])],
         train_sampler=opts.get("sampler"),
         log_fn=lambda s: None,
     )
@@ -158,13 +159,15 @@ def test_uneven_shards_finish_without_hanging_or_dropping_work() -> None:
 
 
 def test_early_stopping_stops_every_rank_together() -> None:
-    config = TrainConfig(
-        epochs=10, batch_size=8, early_stopping_patience=2, early_stopping_metric="loss"
-    )
-    out = launch(_fit, config, {"lr": 0.0}, nprocs=2)  # lr 0: the loss never improves
+    # The model trains (its loss falls), and a stopper that wants the loss to rise
+    # stops it after 1 + 2 epochs: the ranks must stop together with equal models.
+    rising = EarlyStopping("loss", patience=2, mode="max")
+    out = launch(_fit, TrainConfig(epochs=10, batch_size=8), {"callbacks": [rising]}, nprocs=2)
     # every rank, not rank 0 alone: (digests, step, epochs, stopped early)
     assert [r[3:] for r in out["ranks"]] == [(3, True), (3, True)]
     assert out["ranks"][0] == out["ranks"][1]
+    losses = [m["loss"] for m in out["metrics"]]
+    assert min(losses) < losses[0]  # it did train: lr 0 made equal ranks trivial
 
 
 def test_run_dir_gets_config_and_step_and_epoch_metrics(tmp_path: Path) -> None:
@@ -203,13 +206,13 @@ class _Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         return (self.data[i] for i in self.indices)
 
 
-def _fit_stream(ctx: DistContext) -> list[dict[str, float]]:
+def _fit_stream(ctx: DistContext) -> tuple[list[dict[str, float]], list[Any]]:
     seed_everything(0)
     model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     record = _Record()
     config = TrainConfig(epochs=2, batch_size=4, accumulate=2)
-    Trainer(
+    trainer = Trainer(
         model,
         opt,
         _Stream(ctx.rank),
@@ -218,10 +221,160 @@ def _fit_stream(ctx: DistContext) -> list[dict[str, float]]:
         loss_fn=nn.functional.mse_loss,
         callbacks=[record],
         log_fn=lambda s: None,
-    ).fit()
-    return record.epochs
+    )
+    trainer.fit()
+    mine = (model_digest(model), state_digest(opt.state_dict()), trainer.global_step)
+    return record.epochs, _every_rank(ctx, mine)
 
 
 def test_an_iterable_dataset_of_unequal_shards_trains_everything() -> None:
-    epochs = launch(_fit_stream, nprocs=2, hang_timeout=60)
+    epochs, ranks = launch(_fit_stream, nprocs=2, hang_timeout=60)
     assert [m["samples"] for m in epochs] == [32, 32]
+    assert ranks[0] == ranks[1]  # model, optimizer state and step on every rank
+    assert ranks[0][2] == 2 * 3  # rank 1's 6 batches in groups of 2, each epoch
+
+
+class _StopAfterSaving(Callback):
+    """Ends the run (as a crash would) once the checkpoint of step `step` is written."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError(f"stopped after saving step {self.step}")
+
+
+def _every_rank(ctx: DistContext, mine: Any) -> list[Any]:
+    ranks: list[Any] = [mine]
+    if ctx.distributed:
+        ranks = [None] * ctx.world_size
+        dist.all_gather_object(ranks, mine)
+    return ranks
+
+
+def _fit_stream_resumable(ctx: DistContext, folder: str, stop: int | None) -> list[Any]:
+    seed_everything(0)
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    config = TrainConfig(
+        epochs=2, batch_size=4, checkpoint_dir=folder, save_every_steps=4, resume=True
+    )
+    trainer = Trainer(
+        model,
+        opt,
+        _Stream(ctx.rank),  # rank 0: 3 batches, rank 1: 6
+        ctx,
+        config,
+        loss_fn=nn.functional.mse_loss,
+        callbacks=[_StopAfterSaving(stop)],
+        log_fn=lambda s: None,
+    )
+    trainer.fit()
+    return _every_rank(ctx, (model_digest(trainer.model), state_digest(opt.state_dict())))
+
+
+def test_uneven_stream_resumes_from_a_save_after_the_short_shard_ran_out(tmp_path: Path) -> None:
+    straight = launch(_fit_stream_resumable, str(tmp_path / "a"), None, nprocs=2, hang_timeout=60)
+    folder = str(tmp_path / "b")
+    with pytest.raises(ddpkit.WorkerError, match="stopped after saving step 4"):
+        launch(_fit_stream_resumable, folder, 4, nprocs=2, hang_timeout=60)  # rank 0 ran out
+    resumed = launch(_fit_stream_resumable, folder, None, nprocs=2, hang_timeout=60)
+    assert resumed[0] == resumed[1] == straight[0] == straight[1]
+
+
+class _Indexed(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """40 samples that say which they are, so a test can see what was trained."""
+
+    def __init__(self) -> None:
+        self.data = _data(40)
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return (*self.data[i], i)
+
+
+def _fit_recording(ctx: DistContext, folder: str, record: str, stop: int | None) -> int:
+    """Trains 2 epochs of _Indexed; each rank appends 'epoch index' lines to `record`."""
+    seed_everything(0)
+    model = _mlp()
+    config = TrainConfig(
+        epochs=2, batch_size=4, checkpoint_dir=folder, save_every_steps=1, resume=True
+    )
+    epoch = [0]
+
+    class _Epoch(Callback):
+        def on_epoch_start(self, trainer: Trainer, e: int) -> None:
+            epoch[0] = e
+
+    def step(net: nn.Module, batch: Any) -> torch.Tensor:
+        x, y, index = batch
+        with open(f"{record}.{ctx.rank}", "a") as f:
+            f.writelines(f"{epoch[0]} {i}\n" for i in index.tolist())
+        return nn.functional.mse_loss(net(x), y)
+
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        _Indexed(),
+        ctx,
+        config,
+        training_step=step,
+        callbacks=[_Epoch(), _StopAfterSaving(stop)],
+        log_fn=lambda s: None,
+    )
+    return trainer.fit().global_step
+
+
+def _trained(tmp_path: Path) -> list[list[int]]:
+    """Per epoch, the sorted indices that every rank of every run trained."""
+    seen: list[list[int]] = [[], []]
+    for f in tmp_path.glob("record*"):
+        for line in f.read_text().splitlines():
+            e, i = map(int, line.split())
+            seen[e].append(i)
+    return [sorted(s) for s in seen]
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_mid_epoch_resume_on_another_world_size_trains_each_sample_once(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    folder, record = str(tmp_path / "ck"), str(tmp_path / "record")
+    with pytest.raises((ddpkit.WorkerError, RuntimeError), match="stopped after saving step 3"):
+        launch(_fit_recording, folder, record, 3, nprocs=before)
+    launch(_fit_recording, folder, record + "-resumed", None, nprocs=after)
+    assert _trained(tmp_path) == [list(range(40)), list(range(40))]
+
+
+def _fit_batchnorm(ctx: DistContext, strategy: str) -> list[Any]:
+    seed_everything(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+    config = TrainConfig(
+        epochs=2,
+        batch_size=4,
+        sync_batchnorm=False,
+        strategy=strategy,  # type: ignore[arg-type]
+    )
+    trainer = Trainer(
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.05),
+        _data(24),
+        ctx,
+        config,
+        loss_fn=nn.functional.mse_loss,
+        log_fn=lambda s: None,
+    )
+    trainer.fit()
+    return _every_rank(ctx, [b.clone() for b in trainer.model.buffers()])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_per_rank_batchnorm_ends_with_the_same_buffers_on_every_rank(strategy: str) -> None:
+    if strategy == "fsdp" and not ddpkit.fsdp.cpu_supported():
+        pytest.skip("FSDP2 on CPU ranks needs torch >= 2.7")
+    ranks = launch(_fit_batchnorm, strategy, nprocs=2)
+    assert len(ranks[0]) == 3  # running mean, variance and the batch count
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0], ranks[1], strict=True))

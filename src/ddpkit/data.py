@@ -5,6 +5,7 @@ pinned memory on GPUs, and an evaluation mode that counts every sample exactly o
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -31,8 +32,17 @@ from ddpkit.seed import rank_seed, set_rng_state
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of
 # (seed, rank, epoch) only, so a resumed run sees the same augmentations.
 _EPOCH_STRIDE = 1_000_003
-# Spreads a sample's position over the seed space (the golden ratio, as in splitmix64).
-_GOLDEN = 0x9E3779B97F4A7C15
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(value: int) -> int:
+    """splitmix64's step: a bijection of 64-bit numbers that scatters neighbours, so
+    that seeds made from (rank key, epoch, position) never coincide by an offset
+    (adding them instead gave position p of epoch e+1 the seed of p+1 of epoch e)."""
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 class DistributedLoader(DataLoader[Any]):
@@ -41,6 +51,9 @@ class DistributedLoader(DataLoader[Any]):
     `skip`, which starts the next epoch part-way without loading what it skips."""
 
     base_seed: int = 0
+    # Samples of the epoch's global order that the pass under way skipped (see
+    # skip_samples): where its batches stand in the epoch, for a checkpoint.
+    pass_start: int = 0
     _resume_plan: tuple[int, dict[str, Any] | None] | None = None  # see resume_at
 
     @property
@@ -69,6 +82,7 @@ class DistributedLoader(DataLoader[Any]):
 
     def __iter__(self) -> _BaseDataLoaderIter:
         plan, self._resume_plan = self._resume_plan, None
+        self.pass_start = getattr(self.sampler, "global_start", 0)
         batches = super().__iter__()
         if plan is not None:
             read_past, rng = plan
@@ -87,6 +101,39 @@ class DistributedLoader(DataLoader[Any]):
         self.sampler.start = batches * cast(int, self.batch_size)
         return True
 
+    def batches_after(self, samples: int, world_size: int, saved_world_size: int) -> int:
+        """Prepare a mid-epoch resume after the first `samples` samples of the epoch's
+        global order (all ranks together), whatever number of ranks and batch size
+        trained them, and return the batches of the epoch that this rank counts as done.
+
+        When the samples make whole batches on `world_size` ranks, those are the
+        batches to skip (`skip`, `resume_at`): with the ranks and batch size that saved,
+        exactly the saved count. Otherwise the next pass starts at that sample, and what
+        is left of the order is shared out over the ranks as DistributedSampler shares
+        a whole epoch, so every sample is trained once; it then counts 0 batches done.
+
+        Raises:
+            ConfigError: the order is not ddpkit's (your own sampler, an
+                IterableDataset), so it cannot be re-sharded, and the ranks changed or
+                the samples make no whole batch.
+        """
+        per_step = cast(int, self.batch_size) * world_size
+        sampler = self.sampler
+        ours = isinstance(sampler, _Positioned) and isinstance(sampler.inner, DistributedSampler)
+        if ours or saved_world_size == world_size:
+            if samples % per_step == 0:
+                return samples // per_step
+            if ours:
+                cast(_Positioned, sampler).global_start = samples
+                return 0
+        raise ConfigError(
+            f"the resumed epoch had trained {samples} samples on {saved_world_size} rank(s), "
+            f"and the order of your own sampler or IterableDataset cannot be shared out "
+            f"again over {world_size} rank(s) in batches of {self.batch_size}: resume with "
+            f"the number of ranks and batch size that saved, or from a checkpoint saved at "
+            f"an epoch's end"
+        )
+
 
 class _Positioned(Sampler[Any]):
     """The sampler that shards, able to start an epoch at a position, and (with worker
@@ -101,6 +148,7 @@ class _Positioned(Sampler[Any]):
     def __init__(self, inner: Sampler[Any], key: int | None) -> None:
         self.inner, self.key = inner, key
         self.epoch = self.start = 0
+        self.global_start = 0  # see DistributedLoader.skip_samples
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -110,17 +158,49 @@ class _Positioned(Sampler[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         start, self.start = self.start, 0  # a skip applies to one epoch only
-        indices = itertools.islice(iter(self.inner), start, None)
+        if self.global_start:
+            rest, self.global_start = _rest_of_epoch(self.inner, self.global_start), 0
+            indices: Iterator[Any] = iter(rest)
+        else:
+            indices = itertools.islice(iter(self.inner), start, None)
         if self.key is None:
             return indices
-        base = (self.key * _EPOCH_STRIDE + self.epoch) * _GOLDEN
+        epoch_key = _splitmix64(_splitmix64(self.key) ^ self.epoch)
         return (
-            ((base + position * _GOLDEN) % 2**63, index)
+            (_splitmix64(epoch_key ^ position) >> 1, index)  # below 2**63, as torch wants
             for position, index in enumerate(indices, start)
         )
 
     def __len__(self) -> int:
+        if self.global_start:
+            return len(_rest_of_epoch(self.inner, self.global_start))
         return max(0, len(self.inner) - self.start)  # type: ignore[arg-type]
+
+
+def _rest_of_epoch(sampler: Any, start: int) -> list[int]:
+    """This rank's share of `sampler`'s epoch order after its first `start` samples.
+
+    DistributedSampler's order is one permutation of the dataset, the same for any
+    number of ranks, of which rank r takes every W-th index from r (after padding the
+    order to a multiple of W with its own first indices, or cutting it down to one with
+    drop_last). The rest is shared out the same way, so with the same W that trained the
+    first `start` samples this is exactly what the rank would have taken next.
+    """
+    dist_sampler = cast(DistributedSampler[Any], sampler)
+    size, world = len(dist_sampler.dataset), dist_sampler.num_replicas  # type: ignore[arg-type]
+    if dist_sampler.shuffle:
+        generator = torch.Generator()
+        generator.manual_seed(dist_sampler.seed + dist_sampler.epoch)
+        order = torch.randperm(size, generator=generator).tolist()
+    else:
+        order = list(range(size))
+    rest = order[start:]
+    if dist_sampler.drop_last:
+        rest = rest[: len(rest) - len(rest) % world]
+    elif rest and len(rest) % world:
+        padding = world - len(rest) % world
+        rest += (order * math.ceil(padding / len(order)))[:padding]
+    return rest[dist_sampler.rank :: world]
 
 
 class _SeededSamples(Dataset[Any]):
@@ -177,6 +257,38 @@ class _BatchedTensorDataset(TensorDataset):
         return [tensor[index] for tensor in self.tensors]
 
 
+class _DealtStream(IterableDataset[Any]):
+    """A one-process stream dealt out to the ranks a batch at a time: of its batches of
+    `batch_size` samples, rank r takes batches r, r + W, r + 2W, ... (W ranks).
+
+    Every rank reads the whole stream and keeps its own batches (as Accelerate's
+    IterableDatasetShard does), so each batch is one the single-process loader made,
+    whole. In a DataLoader worker the stream is that worker's, which the worker batches
+    on its own: dealing each worker's batches gives the ranks together exactly the
+    batches of the single-process loader. A stream that splits itself between workers
+    (`get_worker_info`) stays split; one that does not repeats in every worker, as it
+    did in the script.
+    """
+
+    def __init__(
+        self, stream: IterableDataset[Any], batch_size: int, rank: int, world_size: int
+    ) -> None:
+        self.stream, self.batch_size = stream, batch_size
+        self.rank, self.world_size = rank, world_size
+
+    def __iter__(self) -> Iterator[Any]:
+        turn = self.batch_size * self.world_size
+        mine = range(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return (sample for i, sample in enumerate(self.stream) if i % turn in mine)
+
+    def __len__(self) -> int:
+        """This rank's samples of a stream with a length (TypeError, as for the stream
+        itself, without one)."""
+        full, rest = divmod(len(self.stream), self.batch_size)  # type: ignore[arg-type]
+        mine = len(range(self.rank, full, self.world_size)) * self.batch_size
+        return mine + (rest if full % self.world_size == self.rank else 0)
+
+
 def _as_is(batch: list[torch.Tensor]) -> list[torch.Tensor]:
     # default_collate would get one ready batch: it is already what it would build.
     return batch
@@ -206,6 +318,12 @@ def prepare_loader(
     `worker_init_fn`, `persistent_workers`, `prefetch_factor`, `drop_last` and whether
     it shuffles (a RandomSampler); the other arguments here are then ignored, except
     `evaluation`, `seed` and a `batch_size` or `shuffle` that you pass, which win.
+    A DataLoader over an IterableDataset is dealt out a batch at a time: every rank
+    reads the whole stream, and rank r keeps the loader's batches r, r + W, r + 2W, ...
+    of W ranks (with workers, of each worker's batches), so batches stay whole and the
+    ranks together get what the loader gave one process; shares may differ by a batch
+    (Trainer handles that). An IterableDataset that shards itself by rank goes in by
+    itself, not in a DataLoader, or it would be sharded twice.
 
     Training (the default) shuffles with a DistributedSampler seeded alike on every
     rank, so the ranks see disjoint shards of one permutation. Call
@@ -239,13 +357,16 @@ def prepare_loader(
         ConfigError: for a bad size or a combination that cannot work.
     """
     if isinstance(dataset, DataLoader):
-        return prepare_loader(
-            dataset.dataset,
-            ctx,
-            **_kept_options(dataset, batch_size, shuffle, evaluation),
-            evaluation=evaluation,
-            seed=seed,
-        )
+        kept = _kept_options(dataset, batch_size, shuffle, evaluation)
+        inner = dataset.dataset
+        if (
+            isinstance(inner, IterableDataset)
+            and not isinstance(inner, _DealtStream)  # a loader of ours: dealt already
+            and ctx.world_size > 1
+        ):
+            # The script's stream knows nothing of ranks: each rank takes its batches.
+            inner = _DealtStream(inner, kept["batch_size"], ctx.rank, ctx.world_size)
+        return prepare_loader(inner, ctx, **kept, evaluation=evaluation, seed=seed)
     if batch_size is None:
         raise ConfigError("prepare_loader needs a batch_size for a dataset: pass batch_size=32")
     if batch_size < 1:
@@ -337,7 +458,7 @@ def _kept_options(
     }
     order = loader.sampler
     if isinstance(loader.dataset, IterableDataset) or evaluation:
-        return kept  # a stream shards itself; evaluation keeps the dataset's order
+        return kept  # a stream has no sampler (see _DealtStream); evaluation keeps the order
     if isinstance(order, DistributedSampler):
         kept["sampler"] = order  # already a shard of its own
     elif isinstance(order, (RandomSampler, SequentialSampler)):

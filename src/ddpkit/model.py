@@ -141,8 +141,10 @@ def sync_buffers(model: nn.Module, ctx: DistContext) -> None:
     for buffers in by_dtype.values():
         flat = torch.cat([b.detach().reshape(-1) for b in buffers])
         dist.broadcast(flat, src=0)
-        for buffer, part in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
-            buffer.data.copy_(part.view_as(buffer))
+        offset = 0
+        for buffer in buffers:
+            buffer.data.copy_(flat[offset : offset + buffer.numel()].view_as(buffer))
+            offset += buffer.numel()
 
 
 def find_ddp(model: nn.Module) -> DDP | None:

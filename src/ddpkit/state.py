@@ -169,7 +169,7 @@ def save_state(
             "epoch": epoch,
             "batch": batch,
             "global_step": step,
-            "loader": None if loader is None else _loader_position(loader, epoch),
+            "loader": None if loader is None else _loader_position(loader, epoch, batch, ctx),
             "extra": extra,
         }
         if shards is None:
@@ -262,7 +262,7 @@ def load_state(
             ctx.world_size,
         )
     if loader is not None and batch:
-        _resume_loader(loader, state.get("loader") or {}, epoch, batch, mine, ctx)
+        batch = _resume_loader(loader, state.get("loader") or {}, epoch, batch, mine, ctx)
     else:
         if loader is not None:
             _set_epoch(loader, int((state.get("loader") or {}).get("epoch", epoch)))
@@ -404,13 +404,19 @@ def _load_whole(
 
 
 # -- the loader's position ---------------------------------------------------------------
-def _loader_position(loader: DataLoader[Any], epoch: int) -> dict[str, Any]:
-    """The epoch the loader's sampler is at (what shuffles this epoch's order), and its
-    batch size (a batch count means nothing with another)."""
+def _loader_position(
+    loader: DataLoader[Any], epoch: int, batch: int, ctx: DistContext
+) -> dict[str, Any]:
+    """The epoch the loader's sampler is at (what shuffles this epoch's order), and
+    where the epoch stands in samples of that order, which another number of ranks or
+    another batch size can resume (a batch count means nothing there)."""
     sampler_epoch = getattr(loader.sampler, "epoch", None)
+    start = loader.pass_start if isinstance(loader, DistributedLoader) else 0
     return {
         "epoch": sampler_epoch if isinstance(sampler_epoch, int) else epoch,
         "batch_size": loader.batch_size,
+        "world_size": ctx.world_size,
+        "epoch_samples": start + batch * (loader.batch_size or 1) * ctx.world_size if batch else 0,
     }
 
 
@@ -427,26 +433,26 @@ def _resume_loader(
     batch: int,
     rng: dict[str, Any] | None,
     ctx: DistContext,
-) -> None:
-    """Make the loader's next pass start after `batch` batches of the saved epoch, and
-    restore `rng` once it has started (see `DistributedLoader.resume_at`)."""
+) -> int:
+    """Make the loader's next pass start after the samples that the saved `batch`
+    batches held, and restore `rng` once it has started (see
+    `DistributedLoader.resume_at`). Returns the batches this job counts as done."""
     if not isinstance(loader, DistributedLoader):
         raise ConfigError(
             f"load_state cannot resume a {type(loader).__name__} mid-epoch: pass the loader "
             "that ddpkit.prepare_loader returns (it also takes your DataLoader: "
             "loader = ddpkit.prepare_loader(loader, ctx))"
         )
-    saved_size = saved.get("batch_size")
-    if saved_size is not None and saved_size != loader.batch_size and ctx.is_main:
-        log.warning(
-            "the state was saved with batch_size %s, this loader has %s: the resumed epoch "
-            "skips %d batches of the new size, not the samples that were trained",
-            saved_size,
-            loader.batch_size,
-            batch,
-        )
+    # Older states hold no epoch_samples: their batches were of the saved batch size,
+    # on as many ranks as they saved random streams for (this job's when unknown).
+    saved_world = int(saved.get("world_size", ctx.world_size))
+    samples = saved.get("epoch_samples")
+    if samples is None:
+        samples = batch * int(saved.get("batch_size") or loader.batch_size or 1) * saved_world
     loader.set_epoch(int(saved.get("epoch", epoch)))
+    batch = loader.batches_after(int(samples), ctx.world_size, saved_world)
     loader.resume_at(batch, rng)
+    return batch
 
 
 # -- what a weights-only load accepts ---------------------------------------------------

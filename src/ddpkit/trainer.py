@@ -596,6 +596,13 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "epoch": self.epoch,
             "batch": self.batch,
+            # Where the epoch stands in samples of its global order, which any number
+            # of ranks can resume (the batch count holds only for this one).
+            "world_size": self.ctx.world_size,
+            "epoch_samples": self.train_loader.pass_start
+            + self.batch * self.config.batch_size * self.ctx.world_size
+            if self.batch
+            else 0,
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "should_stop": self.should_stop,
@@ -648,6 +655,8 @@ class Trainer:
             cb.load_state_dict(cb_state)
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.batch = int(state.get("batch", 0))
+        if self.batch:
+            self._reposition(state)
         self.samples_seen = int(state.get("samples_seen", 0))  # 0: older checkpoints
         self.should_stop = bool(state.get("should_stop", False))
         rngs = state.get("rng") or []
@@ -682,6 +691,17 @@ class Trainer:
             )
             return
         self.say(f"{skipped}nothing to do: {path} {done}")
+
+    def _reposition(self, state: dict[str, Any]) -> None:
+        """Resume mid-epoch after the samples the saved run trained, in the epoch's
+        global order: on as many ranks with the same batch size, that is the same
+        batch; on another number of ranks, what is left of the order is shared out over
+        this job's ranks (each sample of the epoch is trained once)."""
+        world, size = self.ctx.world_size, self.config.batch_size
+        old_size = int(state.get("config", {}).get("batch_size", size))
+        old_world = int(state.get("world_size", len(state.get("rng") or []) or world))
+        samples = int(state.get("epoch_samples", self.batch * old_size * old_world))
+        self.batch = self.train_loader.batches_after(samples, world, old_world)
 
     # -- pieces of a step -------------------------------------------------------------
     def _loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
