@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, SequentialSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    TensorDataset,
+    get_worker_info,
+)
 
 from ddpkit import ConfigError, DistContext, launch
 from ddpkit.data import ShardSampler, prepare_loader
@@ -133,3 +141,57 @@ def test_a_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches() -
                 assert x.shape == wx.shape and y.dtype == wy.dtype
     assert isinstance(ours.dataset, TensorDataset)  # still one, over the same tensors
     assert ours.dataset.tensors[0] is data.tensors[0]
+
+
+class _Stream(IterableDataset[int]):
+    """Samples 0, 1, ..., n - 1, as a one-GPU script streams them: with no thought of
+    ranks; split between DataLoader workers (get_worker_info) if `by_worker`, else read
+    whole by each worker (the user's loader then yields every sample once per worker)."""
+
+    def __init__(self, n: int, by_worker: bool = False) -> None:
+        self.n, self.by_worker = n, by_worker
+
+    def __iter__(self) -> Iterator[int]:
+        worker = get_worker_info()
+        if self.by_worker and worker is not None:
+            return iter(range(worker.id, self.n, worker.num_workers))
+        return iter(range(self.n))
+
+
+class _SizedStream(_Stream):
+    def __len__(self) -> int:
+        return self.n
+
+
+# (samples, batch size, workers, split by worker)
+_STREAMS = [(11, 3, 0, False), (16, 2, 2, True), (12, 2, 2, False)]
+
+
+def _stream_batches(ctx: DistContext) -> list[Any]:
+    out = []
+    for n, size, workers, by_worker in _STREAMS:
+        script = DataLoader(_Stream(n, by_worker), batch_size=size, num_workers=workers)
+        mine = [b.tolist() for b in prepare_loader(script, ctx)]
+        out.append({"single": [b.tolist() for b in script], "mine": mine})
+    sized = prepare_loader(DataLoader(_SizedStream(11), batch_size=3), ctx)
+    out.append({"len": len(sized), "batches": len(list(sized))})
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, out)
+    return everyone
+
+
+def test_a_dataloader_over_a_stream_is_dealt_out_to_the_ranks_by_batch() -> None:
+    ranks = launch(_stream_batches, nprocs=2)
+    for case, (n, _, workers, by_worker) in enumerate(_STREAMS):
+        single = ranks[0][case]["single"]  # the script's own loader, in one process
+        shares = [rank[case]["mine"] for rank in ranks]
+        assert all(shares), case  # every rank gets batches
+        # Together the ranks get exactly the script's batches, whole, each on one rank.
+        assert sorted(shares[0] + shares[1]) == sorted(single), case
+        if by_worker or workers == 0:
+            samples = [i for share in shares for batch in share for i in batch]
+            assert sorted(samples) == list(range(n)), case  # disjoint and complete
+        if workers == 0:  # rank r takes the stream's batches r, r + 2, ...
+            assert shares == [single[0::2], single[1::2]], case
+    # A stream with a length: each rank's own number of batches (3 + 3 + 3 + 2 samples).
+    assert [rank[-1] for rank in ranks] == [{"len": 2, "batches": 2}, {"len": 2, "batches": 2}]

@@ -108,6 +108,7 @@ def _gathers(ctx: DistContext) -> dict[str, Any]:
     out["shuffled 2"] = _pass(loader)
     train = ddpkit.prepare_loader(data, ctx, 3, shuffle=False)  # ddpkit's, for training
     out["ddpkit train"] = _pass(train)
+    out["after a break"] = ddpkit.all_gather_object(_after_a_break(ctx, data))
     whole: DataLoader[int] = DataLoader(
         data, batch_size=2, sampler=DistributedSampler(data, w, r, shuffle=False)
     )
@@ -116,6 +117,32 @@ def _gathers(ctx: DistContext) -> dict[str, Any]:
     ragged = torch.full((r + 1, 2), r)  # no loader: ranks hold different counts
     out["ragged"] = ddpkit.gather_for_metrics(ragged).tolist()
     out["scalar"] = ddpkit.gather_for_metrics(torch.tensor(r)).tolist()
+    return out
+
+
+def _after_a_break(ctx: DistContext, data: _Indices) -> dict[str, list[int]]:
+    """A pass broken off after its first batch, without set_epoch, then a whole pass."""
+    w, r = ctx.world_size, ctx.rank
+    loaders: dict[str, Any] = {
+        f"plain {b}": DataLoader(
+            data, batch_size=b, sampler=DistributedSampler(data, w, r, shuffle=False)
+        )
+        for b in (2, 3)
+    }
+    loaders["workers"] = DataLoader(  # the same iterator, reset for each pass
+        data,
+        batch_size=2,
+        sampler=DistributedSampler(data, w, r, shuffle=False),
+        num_workers=1,
+        persistent_workers=True,
+    )
+    loaders["ddpkit train"] = ddpkit.prepare_loader(data, ctx, 2, shuffle=False)
+    out = {}
+    for name, loader in loaders.items():
+        for batch in loader:
+            ddpkit.gather_for_metrics(batch, loader)
+            break
+        out[name] = _pass(loader)
     return out
 
 
@@ -317,6 +344,14 @@ def test_gather_for_metrics_drops_the_samplers_padding_in_order(two: dict[str, A
     assert g["one call"] == list(range(7))
 
 
+def test_gather_for_metrics_after_a_pass_that_broke_off(two: dict[str, Any]) -> None:
+    # No set_epoch between the passes: the new pass is the loader's new iterator.
+    for rank, seen in enumerate(two["gathers"]["after a break"]):
+        assert set(seen) == {"plain 2", "plain 3", "workers", "ddpkit train"}, rank
+        for name, indices in seen.items():
+            assert indices == list(range(7)), (rank, name)
+
+
 def test_gather_for_metrics_with_ddpkits_evaluation_loader(two: dict[str, Any]) -> None:
     g = two["gathers"]
     for key in ("eval 7 2", "eval 11 2", "eval 11 3"):
@@ -338,6 +373,8 @@ def test_gather_for_metrics_with_one_process(one: dict[str, Any]) -> None:
             n = int(key.split()[1])
             assert all(p == list(range(n)) for p in passes), key
     assert g["ddpkit train"] == list(range(7)) and g["one call"] == list(range(7))
+    (seen,) = g["after a break"]
+    assert len(seen) == 4 and all(v == list(range(7)) for v in seen.values()), seen
     assert g["ragged"] == [[0, 0]] and g["scalar"] == [0]
 
 

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -54,10 +55,10 @@ def _line_after_start(stdout: IO[str]) -> str:
     return stdout.readline()
 
 
-def _interrupt(folder: Path, rng: random.Random, target: str) -> int:
+def _interrupt(folder: Path, rng: random.Random, target: str) -> tuple[int, bool]:
     """Start the job, SIGTERM its launcher, one worker or every process (as SLURM does)
-    at a random moment of training, and return its exit status once every process of
-    it is gone."""
+    at a random moment of training; once every process of it is gone, return its exit
+    status and whether its last epoch had ended."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "ddpkit", *SEED_JOB, "--checkpoint-dir", str(folder)],
         stdout=subprocess.PIPE,
@@ -82,11 +83,11 @@ def _interrupt(folder: Path, rng: random.Random, target: str) -> int:
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             os.kill(rng.choice(workers) if target == "one-worker" else proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert wait_gone(workers) == [], "orphan worker"
     if proc.returncode == PREEMPTED_EXIT:
         assert "--resume" in err and "saved" in err, err
-    return proc.returncode
+    return proc.returncode, f"epoch {EPOCHS}/{EPOCHS}" in out
 
 
 @pytest.mark.slow
@@ -101,7 +102,11 @@ def test_sigterm_at_random_moments_resumes_to_the_uninterrupted_model(
     codes = []
     for trial in range(trials):
         folder = tmp_path / f"trial{trial}"
-        codes.append(_interrupt(folder, rng, target))
+        code, finished = _interrupt(folder, rng, target)
+        codes.append(code)
+        # A signal while the ranks still train must save and exit 75, whichever
+        # process it reached.
+        assert code == PREEMPTED_EXIT or finished, (trial, code)
         names = [p.name for p in folder.iterdir()] if folder.exists() else []
         assert all(n.startswith("ckpt-") and n.endswith(".pt") for n in names if n != "ddpkit.lock")
         for name in names:
@@ -109,9 +114,10 @@ def test_sigterm_at_random_moments_resumes_to_the_uninterrupted_model(
                 torch.load(folder / name, weights_only=True)
         resumed = run_cli(*SEED_JOB, "--checkpoint-dir", str(folder), "--resume")
         assert _digest(resumed) == straight, (trial, codes)
-    # 0: the signal came after the last step; 143 (1 for a worker alone): before the ranks
-    # listened, or after; -15: in the last moments of the interpreter's exit, which
-    # restores the default handlers. Whatever the moment, the resume above matched.
+    # After the last epoch, once the ranks no longer listen: 0 (nothing left to stop),
+    # 143, 1 (a worker that got it exits 143, a failed rank to the launcher) or -15 (in
+    # the last moments of the interpreter's exit, which restores the default handlers).
+    # Whatever the moment, the resume above matched.
     assert set(codes) <= {0, PREEMPTED_EXIT, 1, 143, -signal.SIGTERM}, codes
     assert codes.count(PREEMPTED_EXIT) >= trials // 2, codes  # most stopped mid-training
 
@@ -169,6 +175,73 @@ def test_launch_raises_preempted_after_every_rank_saved_the_same_step(
     assert err.signum == signum and err.step == step
     assert err.checkpoint == tmp_path / f"ckpt-{step:09d}.pt"
     assert torch.load(err.checkpoint, weights_only=True)["global_step"] == step
+
+
+SCRIPT_JOB = """
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+import ddpkit
+
+
+class SignalTheJob(ddpkit.Callback):
+    def on_step_end(self, trainer, step):
+        if step == 5 and trainer.ctx.rank == 0:  # as a scheduler would: to the job's process
+            os.kill(os.getppid() if trainer.ctx.world_size > 1 else os.getpid(), signal.SIGTERM)
+
+
+def main(ctx, folder):
+    ddpkit.seed_everything(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(256, 4)
+    # Epochs enough that the signal, passed on by the launcher, comes long before the end.
+    config = ddpkit.TrainConfig(epochs=50, batch_size=8, checkpoint_dir=folder, progress=False)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = ddpkit.Trainer(
+        model, optimizer, data, ctx, config, loss_fn=nn.functional.mse_loss,
+        callbacks=[SignalTheJob()], log_fn=lambda s: None,
+    )
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    ddpkit.launch(main, sys.argv[1], nprocs=int(sys.argv[2]))
+    print("the job went on after launch")
+"""
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int) -> None:
+    # `python script.py`, where nothing catches Preempted: SLURM's requeue needs 75.
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT_JOB)
+    folder = tmp_path / "ck"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(folder), str(nprocs)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: ")]
+    assert len(said) == 1, proc.stderr
+    # The launcher passes the signal on while the ranks train: the step may come later.
+    found = re.fullmatch(
+        r"ddpkit: stopped by SIGTERM after step (\d+); saved (.+): resume from it "
+        r"\(with ddpkit train: the same command and --resume\)",
+        said[0],
+    )
+    assert found, said
+    step, saved = int(found[1]), Path(found[2])
+    assert step >= 5 and saved == folder / f"ckpt-{step:09d}.pt"
+    assert torch.load(saved, weights_only=True)["global_step"] == step
+    assert "went on" not in proc.stdout
 
 
 def test_without_a_checkpoint_folder_a_signal_stops_at_once() -> None:

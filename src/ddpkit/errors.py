@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,15 @@ class HangError(DdpkitError):
         return f"{self.summary}\n\n{self.stacks}" if self.stacks else self.summary
 
 
-class Preempted(DdpkitError):
-    """The job stopped on a signal after every rank saved the same step; resume it."""
+class Preempted(DdpkitError, SystemExit):
+    """The job stopped on a signal after every rank saved the same step; resume it.
+
+    `except Exception` and `except Preempted` catch it as any error. It is also a
+    `SystemExit` with `code` 75 (`PREEMPTED_EXIT`): left uncaught in a script
+    (`python train.py`), it ends the process as `ddpkit train` does, with one line on
+    stderr, no traceback, and exit status 75, on which a scheduler's script can requeue
+    the job.
+    """
 
     def __init__(self, checkpoint: str | Path, step: int, signum: int) -> None:
         self.checkpoint, self.step, self.signum = Path(checkpoint), step, signum
@@ -72,6 +80,17 @@ class Preempted(DdpkitError):
             f"{self.checkpoint}: resume from it (with ddpkit train: the same command and "
             "--resume)"
         )
+
+    @property
+    def code(self) -> int:  # type: ignore[override]  # read-only: always 75
+        """The exit status, as SystemExit's `code`: 75, "try again later"."""
+        # Python reads `code` to end a process in which nothing caught the exception,
+        # and then no Python frame is left to be the caller: only then is the line
+        # printed (code that catches SystemExit and reads `code` says what it wants).
+        caller = sys._getframe().f_back
+        if caller is None:
+            print(f"ddpkit: {self}", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT
 
     def __reduce__(self) -> tuple[Any, ...]:  # sent from the workers to the launcher
         return (Preempted, (self.checkpoint, self.step, self.signum))

@@ -271,6 +271,7 @@ def launch(
             The other ranks are stopped.
         HangError: the ranks stopped making progress; it says where each one is stuck.
         Preempted: a stop signal came, and every rank saved the same step (resume it).
+            A SystemExit too: a script that does not catch it exits with status 75.
         ConfigError: a bad argument, named with its fix.
     """
     if init not in ("tcp", "file"):

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import builtins
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
@@ -139,10 +141,48 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return box[0]  # type: ignore[no-any-return]
 
 
+class _CountedPasses(Sampler[Any]):
+    """A loader's sampler, counting the passes over it: the DataLoader iterates its
+    sampler once per pass, before the pass's first batch, however the last one ended."""
+
+    def __init__(self, inner: Sampler[Any]) -> None:
+        self.inner = inner
+        self.passes = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.passes += 1
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        # Code that reaches the sampler through the batch sampler (set_epoch) gets it.
+        if name == "inner":  # not set yet: being unpickled or copied
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def _count_passes(loader: Any) -> _CountedPasses | None:
+    """The counter of `loader`'s passes, put between its batch sampler and its sampler
+    (the one place a DataLoader lets it in); None where it has no such batch sampler."""
+    batches, sampler = getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)
+    inner = getattr(batches, "sampler", None)
+    if isinstance(inner, _CountedPasses) and inner.inner is sampler:
+        return inner  # a copy of a loader already counted
+    if batches is None or inner is not sampler or not isinstance(inner, Sampler):
+        return None  # no batch sampler (batch_size=None), or one of the user's
+    counter = _CountedPasses(inner)
+    batches.sampler = counter
+    return counter
+
+
 @dataclass
 class _Pass:
     """How far a loader's pass has got, in samples per rank (see gather_for_metrics)."""
 
+    counter: _CountedPasses | None  # where the loader's passes are counted
+    passes: int | None = None  # the counter when this pass was seen first
     done: int = 0
     epoch: int | None = None
 
@@ -188,7 +228,9 @@ def gather_for_metrics(values: Any, loader: Any = None) -> Any:
     loader, those repeats are dropped and the samples come back in the sampler's order
     (the dataset's order without shuffling). For that, ddpkit follows the loader's pass
     call by call: gather every batch of the pass, each in one call. A new pass starts
-    after the pass's last sample, or when `set_epoch` changes the sampler's epoch.
+    each time the loader starts one, also after a pass that broke off early (a `break`
+    out of the loop): ddpkit counts the passes between the loader's batch sampler and
+    its sampler (`loader.batch_sampler.sampler`, which passes everything else on).
     ddpkit's evaluation loader (`prepare_loader(..., evaluation=True)`) pads nothing,
     so its batches are simply concatenated, as are those of any other sampler and
     those gathered without `loader`.
@@ -229,10 +271,15 @@ def _gather_batch(tensors: list[torch.Tensor], loader: Any) -> list[torch.Tensor
             f"the loader's DistributedSampler is for {sampler.num_replicas} ranks but the job "
             f"has {world}: build it with num_replicas={world} (or use ddpkit.prepare_loader)"
         )
-    state = _passes.setdefault(loader, _Pass())
+    state = _passes.get(loader)
+    if state is None:
+        state = _passes[loader] = _Pass(_count_passes(loader))
     epoch = getattr(sampler, "epoch", None)
-    if state.epoch != epoch:  # set_epoch was called: a new pass, even if the last one broke off
-        state.done, state.epoch = 0, epoch
+    passes = state.counter.passes if state.counter is not None else None
+    if state.epoch != epoch or state.passes != passes:
+        # A new pass (set_epoch was called, or the loader started over), even if the
+        # last one broke off before its end.
+        state.done, state.epoch, state.passes = 0, epoch, passes
     # Rank r's j-th sample of the pass sits at position r + world * j of the sampler's
     # padded order; positions past the end of the dataset are the padding's repeats.
     j = torch.arange(longest, device=device).unsqueeze(1)  # (longest, 1)
