@@ -51,7 +51,8 @@ def prepare_model(
         gradient_as_bucket_view: let gradients share DDP's buckets (saves one
             gradient-sized copy).
         bucket_cap_mb: DDP's bucket size in MiB (None: DDP's default).
-        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward
+            (with either strategy).
         strategy: "ddp" replicates the model on every rank; "fsdp" shards its
             parameters, gradients and optimizer state over the ranks (`ddpkit.fsdp`),
             for models that do not fit on one device. With "fsdp", build the optimizer
@@ -92,7 +93,12 @@ def prepare_model(
     if strategy == "fsdp":
         from ddpkit.fsdp import shard_model
 
-        return shard_model(model, ctx, **(fsdp or {}))
+        sharded = shard_model(model, ctx, **(fsdp or {}))
+        if broadcast_buffers and any(True for _ in sharded.buffers()):
+            # As DDP does: each forward starts from rank 0's buffers, so that per-rank
+            # BatchNorm statistics cannot drift apart (FSDP never copies buffers).
+            sharded.register_forward_pre_hook(lambda module, args: sync_buffers(module, ctx))
+        return sharded
     on_gpu = ctx.device.type == "cuda"
     kwargs: dict[str, object] = {}
     if bucket_cap_mb is not None:
