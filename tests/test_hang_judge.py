@@ -1,6 +1,7 @@
 """HangJudge on hand-made reports: the race between a sample and a collective ending
 must never read as a hang (seen in CI: rank 0 passed the barrier and returned, while
-rank 1's last sample, taken just before, still showed it in that barrier)."""
+rank 1's last sample, taken just before, still showed it in that barrier). The reports
+that real ranks write, and the judge's verdicts on them: tests/test_hang_watch.py."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def test_rank_0_alone_after_launch_released_the_others_is_never_a_hang() -> None
     # A rank that merely finished still waits for the others: then it is a hang.
     hang, _ = judge.judge({**statuses, 2: _finished(NOW - 60, 1)}, now=NOW)
     assert hang is not None and "stayed at one line" in hang.why
+
+
+def test_a_rank_waiting_for_an_idle_child_is_uncertain_and_said_so() -> None:
+    # Its stack is still, yet the child (a sleep, a stalled download) may end: the
+    # watch reports it as moving, with child_wait, as a polling rank.
+    judge = HangJudge(hang_timeout=5.0, world_size=2, collective_timeout=30.0)
+    child = {**_parked(NOW - 20), "moved": NOW - 0.5, "child_wait": True, "where": "job.py:5"}
+    statuses = {0: child, 1: _waiting(seq=1, since=NOW - 20)}
+    hang, notice = judge.judge(statuses, now=NOW)
+    assert hang is None and notice is not None
+    assert "rank 0 is waiting for an idle child process at job.py:5" in notice
+    hang, _ = judge.judge({**statuses, 1: _waiting(seq=1, since=NOW - 28)}, now=NOW)
+    assert hang is not None
+    assert "kept waiting for an idle child process without using the CPU" in hang.why

@@ -121,13 +121,15 @@ class HangJudge:
 
     A rank waits when it is in a collective (or send/recv) or has finished. Once some
     rank has waited `hang_timeout` seconds, the others decide:
-    - every other rank waits too, or is parked (the same line, no CPU, no reading, no
-      child process, for `hang_timeout` s): nothing can move any more: a hang;
-    - some rank works (CPU, reading data, a live child process, rank_zero_first): a
-      notice every `hang_timeout` s, never a stop;
-    - some rank polls (its stack moves, but it uses no CPU): uncertain: notices, and a
-      stop once the waiting has lasted `collective_timeout` s (the collectives would
-      fail then anyway).
+    - every other rank waits too, or is parked (the same line, no CPU in any thread or
+      child process, no reading, for `hang_timeout` s): nothing can move any more: a
+      hang;
+    - some rank works (CPU in any thread or child process, reading data,
+      rank_zero_first): a notice every `hang_timeout` s, never a stop;
+    - some rank polls (its stack moves, but it uses no CPU), or waits in `subprocess`
+      for a child that uses no CPU (it may still end): uncertain: notices, and a stop
+      once the waiting has lasted `collective_timeout` s (the collectives would fail
+      then anyway).
     A rank whose report is missing (a node not seen yet) stops any decision. A rank
     that `launch` released under an agent (its part is done; rank 0 goes on with the
     script alone) waits for no one and is left out.
@@ -171,9 +173,10 @@ class HangJudge:
         # Just before the collectives would fail on their own, so that the report says why.
         limit = None if self.collective_timeout is None else self.collective_timeout - _EARLY_S
         if limit is not None and waited >= limit and all(kinds[r] != "working" for r in others):
+            how = " or ".join(sorted({_doing(statuses[r], kinds[r]) for r in others}))
             hang.why = (
                 f"{_ranks(waiters)} waited {waited:.0f} s, the collective timeout, while "
-                f"{_ranks(others)} kept polling without using the CPU; stopped at the "
+                f"{_ranks(others)} kept {how} without using the CPU; stopped at the "
                 "collective timeout"
             )
             return hang, None
@@ -207,7 +210,7 @@ class HangJudge:
         if others:
             return (
                 f"{_ranks(waiters)} waited {waited:.0f} s while {_ranks(others)} stayed at one "
-                "line without using the CPU, reading data or running a child process"
+                "line without using the CPU (in any thread or child process) or reading data"
             )
         names = {
             (s["collective"]["seq"], s["collective"]["name"])
@@ -231,8 +234,7 @@ class HangJudge:
         now: float,
     ) -> str:
         busy = "; ".join(
-            f"rank {r} is {'working' if kinds[r] == 'working' else kinds[r]} at "
-            f"{statuses[r].get('where', '?')}"
+            f"rank {r} is {_doing(statuses[r], kinds[r])} at {statuses[r].get('where', '?')}"
             for r in others
         )
         waits = "; ".join(f"rank {r}: {_describe(statuses[r], now)}" for r in waiters)
@@ -243,6 +245,13 @@ class HangJudge:
             "the job stops at the collective timeout)"
         )
         return f"ddpkit: notice: for {waited:.0f} s, {busy}{hint}; waiting: {waits}"
+
+
+def _doing(status: dict[str, Any], kind: str) -> str:
+    """What a rank that does not wait does, in words: "working", "polling", ..."""
+    if kind == "polling" and status.get("child_wait"):
+        return "waiting for an idle child process"
+    return kind
 
 
 def _since(status: dict[str, Any]) -> float:

@@ -4,12 +4,15 @@ it is working.
 A daemon thread samples the main thread about once a second and writes `rank<N>.json`
 into a status folder that the supervising process reads: the Python stack and when it
 last changed, the collective the rank waits in (and since when), and when the rank last
-showed that it works: its main thread used the CPU, it read data (a download), it has
-a live child process (`subprocess.run`, a tokenizer, `tar`), or it is inside
-`rank_zero_first`. Collectives are recorded by wrapping the `torch.distributed`
-functions a script calls, which gives gloo on CPU what NCCL's flight recorder gives on
-GPUs: which collective, in which order, called from which line. A rank that raises
-writes `rank<N>.error.json`; a rank that returns says it has finished.
+showed that it works: any of its threads (the watch's own aside) or of its child
+processes (`subprocess.run`, a tokenizer, `tar`, DataLoader workers) used the CPU, it or
+a child read data (a download), or it is inside `rank_zero_first`. A child process that
+merely exists is no such sign: idle DataLoader workers must not keep a hang alive.
+Collectives are recorded by wrapping the `torch.distributed` functions a script (or
+FSDP) calls, and the `wait()` of the work an `async_op=True` call returns, which gives
+gloo on CPU what NCCL's flight recorder gives on GPUs: which collective, in which order,
+called from which line. A rank that raises writes `rank<N>.error.json`; a rank that
+returns says it has finished.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import functools
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -34,7 +39,15 @@ from ddpkit.collectives import COLLECTIVES, POINT_TO_POINT
 # torch/autograd/graph.py, but the line to show is the user's `loss.backward()`.
 _TORCH_SPEC = importlib.util.find_spec("torch")
 _TORCH_DIR = os.path.dirname(_TORCH_SPEC.origin or "") + os.sep if _TORCH_SPEC else "torch/"
-_OWN_FILES = (__file__, _TORCH_DIR, "multiprocessing/", "threading.py", "runpy.py")
+# subprocess's too: a rank waiting for its child is shown at its `subprocess.run` line.
+_OWN_FILES = (
+    __file__,
+    _TORCH_DIR,
+    "multiprocessing/",
+    "threading.py",
+    "runpy.py",
+    subprocess.__file__,
+)
 # Frames of the machinery that starts a worker: left out of the stacks we show.
 _PLUMBING = (
     __file__,
@@ -70,8 +83,9 @@ def describe(frame: FrameType | None) -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
-# A share of the wall-clock time that the main thread must spend on the CPU to count as
-# working; a loop that polls with sleep() uses far less.
+# A share of the wall-clock time that the rank (its threads and child processes) must
+# spend on the CPU to count as working; a loop that polls with sleep() uses far less,
+# and so do idle threads (torch's pools, gloo's) and idle DataLoader workers.
 _BUSY_SHARE = 0.05
 # Bytes read between samples beyond which the rank counts as reading data.
 _READ_BYTES = 4096
@@ -93,57 +107,122 @@ def expect(what: str) -> Iterator[None]:
 
 class CollectiveTracker:
     """Wraps torch.distributed's collectives (and send/recv) to record the one this
-    rank waits in, and since when."""
+    rank waits in, and since when.
+
+    A call with `async_op=True` returns at once and the rank blocks later, in the
+    `wait()` of the work it returned (FSDP gathers so): that wait is recorded as the
+    collective, from the moment it begins. Works are remembered weakly, so one that is
+    never waited on costs nothing once torch drops it."""
 
     def __init__(self) -> None:
         self.count = 0
         self.current: dict[str, Any] | None = None
+        self._work_type: type | None = None
+        self._pending: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
     def install(self) -> None:
         import torch.distributed as dist
 
         for name in sorted(COLLECTIVES | POINT_TO_POINT):
+            # A name that this torch lacks (all_gather_single before 2.13) is skipped.
             original = getattr(dist, name, None)
             if original is not None and not getattr(original, "_ddpkit_tracked", False):
                 setattr(dist, name, self._wrap(name, original))
+        work = getattr(getattr(dist, "distributed_c10d", None), "Work", None)
+        wait = getattr(work, "wait", None)
+        if isinstance(work, type) and wait is not None:
+            self._work_type = work
+            if not getattr(wait, "_ddpkit_tracked", False):
+                # On the class: torch's own code (FSDP) calls it on the work it holds.
+                setattr(work, "wait", self._wrap_wait(wait))  # noqa: B010
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
         def tracked(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
             caller = _user_frame(sys._getframe(1))
-            self.current = {
+            call = {
                 "name": name,
                 "seq": self.count,
                 "where": describe(caller),
                 "since": time.time(),
                 "expected": _EXPECTED["wait"] > 0,
             }
+            outer, self.current = self.current, call
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
-                self.current = None
+                self.current = outer
+            self._remember(result, call)
+            return result
 
         tracked._ddpkit_tracked = True  # type: ignore[attr-defined]
         return tracked
 
+    def _remember(self, result: Any, call: dict[str, Any]) -> None:
+        """Keep the collective that returned `result` (an async work, or a list of them:
+        batch_isend_irecv) for the wait to come."""
+        if self._work_type is None or result is None:
+            return
+        for work in result if isinstance(result, list) else [result]:
+            if isinstance(work, self._work_type):
+                with contextlib.suppress(TypeError):  # a work that takes no weak reference
+                    self._pending[work] = call
+
+    def _wrap_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def tracked_wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                call = self._pending.get(work)
+            except TypeError:
+                call = None
+            if call is None:  # a sync call's own wait (already recorded), or not ours
+                return original(work, *args, **kwargs)
+            outer, self.current = (
+                self.current,
+                {
+                    **call,
+                    "where": describe(_user_frame(sys._getframe(1))),
+                    "since": time.time(),
+                    "expected": _EXPECTED["wait"] > 0,
+                },
+            )
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                self.current = outer
+
+        tracked_wait._ddpkit_tracked = True  # type: ignore[attr-defined]
+        return tracked_wait
+
+
+def _ticks() -> float:
+    """Clock ticks per second, the unit of CPU times in /proc/<pid>/stat."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        return float(os.sysconf("SC_CLK_TCK"))
+    return 100.0
+
+
+_TICKS = _ticks()
+
 
 class _Activity:
-    """Evidence that this process works: main-thread CPU time, bytes read, children."""
+    """Evidence that this process works: CPU time of its threads (the watch's own aside)
+    and child processes, bytes they read, rank_zero_first."""
 
-    def __init__(self, main_ident: int | None, main_native_id: int | None) -> None:
+    def __init__(self, main_native_id: int | None) -> None:
         self._status = f"/proc/self/task/{main_native_id}/status"
-        self._clock: int | None = None
-        with contextlib.suppress(AttributeError, OSError, TypeError):
-            self._clock = time.pthread_getcpuclockid(main_ident)  # type: ignore[arg-type]
+        # The thread that samples (Watchdog._run): its own CPU time is no work.
+        self.watch_thread: int | None = None
         self._own_reads = 0  # bytes this class read itself, not the rank's reading
-        self._last = (time.time(), self._cpu(), self._read_bytes())
+        self._last = (time.time(), self._cpu(), *self._children(), self._read_bytes())
 
     def _cpu(self) -> float:
-        if self._clock is not None:
-            with contextlib.suppress(OSError):
-                return time.clock_gettime(self._clock)
-        return time.process_time()
+        """CPU seconds of every thread of this process so far, less the sampling's."""
+        cpu = time.process_time()
+        if threading.get_ident() == self.watch_thread:
+            cpu -= time.thread_time()
+        return cpu
 
     def _read(self, path: str) -> str:
         with open(path) as f:
@@ -151,11 +230,11 @@ class _Activity:
         self._own_reads += len(text.encode())
         return text
 
-    def _read_bytes(self) -> int:
+    def _read_bytes(self, pid: int | str = "self") -> int:
         with contextlib.suppress(OSError, ValueError):
-            for line in self._read("/proc/self/io").splitlines():
+            for line in self._read(f"/proc/{pid}/io").splitlines():
                 if line.startswith("rchar:"):
-                    return int(line.split()[1]) - self._own_reads
+                    return int(line.split()[1]) - (self._own_reads if pid == "self" else 0)
         return 0
 
     def wakeups(self) -> int:
@@ -168,26 +247,62 @@ class _Activity:
                     total += int(line.split()[1])
         return total
 
-    def children(self) -> int:
-        """Live (not zombie) child processes of this process."""
-        pids: list[str] = []
-        with contextlib.suppress(OSError):
-            for task in os.listdir("/proc/self/task"):
-                with contextlib.suppress(OSError):
-                    pids += self._read(f"/proc/self/task/{task}/children").split()
-        alive = 0
-        for pid in pids:
-            with contextlib.suppress(OSError, IndexError):
-                alive += self._read(f"/proc/{pid}/stat").rsplit(") ", 1)[1][0] != "Z"
-        return alive
+    def _descendants(self) -> list[int]:
+        """Child processes of this process, theirs, and so on (Linux: /proc)."""
+        found: list[int] = []
+        todo, seen = [os.getpid()], {os.getpid()}
+        while todo:
+            pid = todo.pop()
+            tasks: list[str] = []
+            with contextlib.suppress(OSError):
+                tasks = os.listdir(f"/proc/{pid}/task")
+            for task in tasks:  # a child belongs to the thread that started it
+                with contextlib.suppress(OSError, ValueError):
+                    for kid in map(int, self._read(f"/proc/{pid}/task/{task}/children").split()):
+                        if kid not in seen:
+                            seen.add(kid)
+                            found.append(kid)
+                            todo.append(kid)
+        return found
+
+    def _children(self) -> tuple[float, int]:
+        """(CPU seconds, bytes read) of the child processes so far: the live ones and
+        their own ended children, and the ended children this process reaped."""
+        times = os.times()
+        cpu, read = times.children_user + times.children_system, 0
+        for pid in self._descendants():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # utime, stime, cutime, cstime: fields 14 to 17 of /proc/<pid>/stat
+                fields = self._read(f"/proc/{pid}/stat").rsplit(") ", 1)[1].split()
+                cpu += sum(int(f) for f in fields[11:15]) / _TICKS
+                read += self._read_bytes(pid)
+        return cpu, read
 
     def working(self) -> bool:
         """Whether the rank worked since the last call."""
-        now, cpu, read = time.time(), self._cpu(), self._read_bytes()
-        then, cpu0, read0 = self._last
-        self._last = (now, cpu, read)
-        busy = cpu - cpu0 >= _BUSY_SHARE * max(now - then, 1e-3)
-        return busy or read - read0 > _READ_BYTES or _EXPECTED["work"] > 0 or self.children() > 0
+        now, cpu, (kids_cpu, kids_read), read = (
+            time.time(),
+            self._cpu(),
+            self._children(),
+            self._read_bytes(),
+        )
+        then, cpu0, kids_cpu0, kids_read0, read0 = self._last
+        self._last = (now, cpu, kids_cpu, kids_read, read)
+        # A child that leaves the tree (its parent ended first) takes its CPU time and
+        # reads with it: that drop must not hide the others' work.
+        used = cpu - cpu0 + max(kids_cpu - kids_cpu0, 0.0)
+        busy = used >= _BUSY_SHARE * max(now - then, 1e-3)
+        reads = read - read0 + max(kids_read - kids_read0, 0)
+        return busy or reads > _READ_BYTES or _EXPECTED["work"] > 0
+
+
+def _waits_for_a_child(frame: FrameType | None) -> bool:
+    """Whether the main thread waits in `subprocess` (run, call, communicate, wait)."""
+    while frame is not None:
+        if frame.f_code.co_filename == subprocess.__file__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Watchdog:
@@ -206,7 +321,7 @@ class Watchdog:
         self.interval = interval
         self.tracker = CollectiveTracker()
         self._main = threading.main_thread().ident
-        self._activity = _Activity(self._main, threading.main_thread().native_id)
+        self._activity = _Activity(threading.main_thread().native_id)
         self._signature: tuple[tuple[str, int], ...] = ()
         self._wakeups = -1
         self._moved = self._active = time.time()
@@ -250,6 +365,7 @@ class Watchdog:
             self.publish(report)
 
     def _run(self) -> None:
+        self._activity.watch_thread = threading.get_ident()
         while not self._stop.wait(self.interval):
             with contextlib.suppress(Exception):  # diagnosis must never kill the job
                 self.sample()
@@ -272,6 +388,12 @@ class Watchdog:
         if tuple(signature) != self._signature or wakeups != self._wakeups:
             self._signature, self._wakeups = tuple(signature), wakeups
             self._moved = now  # it moves: it may be polling, so it is not parked
+        # Waiting for a child that uses no CPU (a `sleep`, a download stalled on the
+        # network) is not parked either: the child may still end. It is uncertain, as
+        # polling is; DataLoader workers idle beside a deadlocked main thread are not.
+        child_wait = _waits_for_a_child(frame)
+        if child_wait:
+            self._moved = now
         if self._activity.working():
             self._active = now
         self._write(
@@ -283,6 +405,7 @@ class Watchdog:
                 "moved": self._moved,  # the stack last changed
                 "active": self._active,  # the rank last showed that it works
                 "expected_work": _EXPECTED["work"] > 0,
+                "child_wait": child_wait,
                 "where": describe(_user_frame(frame)),
                 "collective": self.tracker.current,
                 "collectives_done": self.tracker.count - (1 if self.tracker.current else 0),
