@@ -168,7 +168,7 @@ _STREAMS = [(11, 3, 0, False), (16, 2, 2, True), (12, 2, 2, False)]
 
 
 def _stream_batches(ctx: DistContext) -> list[Any]:
-    out = []
+    out: list[dict[str, Any]] = []
     for n, size, workers, by_worker in _STREAMS:
         script = DataLoader(_Stream(n, by_worker), batch_size=size, num_workers=workers)
         mine = [b.tolist() for b in prepare_loader(script, ctx)]

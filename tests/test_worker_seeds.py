@@ -27,7 +27,9 @@ def _draws(ctx: DistContext) -> list[Any]:
     for epoch in range(2):
         loader.set_epoch(epoch)
         for index, noise in loader:
-            mine += [(ctx.rank, epoch, i, x) for i, x in zip(index.tolist(), noise.tolist())]
+            mine += [
+                (ctx.rank, epoch, i, x) for i, x in zip(index.tolist(), noise.tolist(), strict=True)
+            ]
     ranks: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(ranks, mine)
     return [draw for rank in ranks for draw in rank]
