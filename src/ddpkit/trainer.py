@@ -462,7 +462,7 @@ class Trainer:
             grads = [p.grad.detach() for p in self._params if p.grad is not None]
             if grads:
                 # A sharded gradient's norm is a collective: every rank computes it.
-                norm = gathered(torch.nn.utils.get_total_norm(grads))
+                norm = gathered(_total_norm(grads))
                 if window is not None:
                     window.grad_norm = norm
         if self.scaler is not None:
@@ -863,6 +863,16 @@ def _fixed_groups(batch_iter: Iterable[Any], k: int, skip: int, total: int) -> I
         first = i - i % k
         size = min(k, total - first)
         yield batch, (1.0, float(size)), i - first == size - 1, i + 1
+
+
+def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all `tensors` together (torch's own where it has one: 2.6 may not)."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return cast(torch.Tensor, get_total_norm(tensors))
+    norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
 
 
 def _class_logits(outputs: Any, targets: Any) -> bool:
