@@ -114,7 +114,10 @@ def test_workers_are_seeded_per_worker_and_repeatably() -> None:
     assert a == _draws(seed=3, epoch=0)  # repeatable, so a resumed run matches
     # batches 0 and 1 come from different workers: their draws must differ
     assert a[0:2] != a[2:4]
-    assert a != _draws(seed=3, epoch=1)  # a new epoch draws anew
+    # A new epoch draws anew: no draw of epoch 1 is one of epoch 0's (before the seeds
+    # were mixed, epoch 1 drew epoch 0's draws shifted by one position). The same on
+    # 2 real ranks: tests/test_worker_seeds.py.
+    assert not set(a) & set(_draws(seed=3, epoch=1))
 
 
 def test_a_tensor_dataset_is_fetched_a_batch_at_a_time_with_the_same_batches() -> None:
