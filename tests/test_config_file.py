@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import subprocess
 import sys
 import textwrap
 import typing
@@ -213,8 +214,52 @@ def test_syntax_error_names_file_and_line(tmp_path: Path) -> None:
     path = write(tmp_path / "job.toml", "epochs = 3\nbatch_size = = 8\n")
     message = error_of(lambda: load_config_file(path))
     assert f"config file '{path}' is not valid TOML" in message
-    assert "line 2" in message
-    assert "2 | batch_size = = 8" in message
+    # The line quoted in the message itself: every error of the command is one line.
+    assert "(at line 2, column 14): line 2 is 'batch_size = = 8': correct it" in message
+    assert "\n" not in message
+
+
+def test_empty_path_names_no_file() -> None:
+    # Path("") is ".", which is a folder: "" must not read as "the current folder".
+    message = error_of(lambda: load_config_file(""))
+    assert message.startswith("--config '' names no file: pass --config"), message
+
+
+def test_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    os.mkfifo(path)
+    message = error_of(lambda: load_config_file(path))  # would block in open()
+    assert f"config file '{path}' is not a regular file (a FIFO)" in message
+    assert "pass --config" in message
+
+
+# In a child with 1 GiB of address space: read to its end, /dev/zero is a MemoryError
+# there, not the test machine's memory filled.
+_READ_DEV_ZERO = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (2**30, resource.RLIM_INFINITY))
+from ddpkit.cli.config_file import load_config_file
+from ddpkit.errors import ConfigError
+try:
+    load_config_file("/dev/zero")
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
+def test_device_is_refused_without_reading_it() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_DEV_ZERO], capture_output=True, text=True, timeout=60
+    )
+    assert proc.stderr == "", proc.stderr
+    assert "config file '/dev/zero' is not a regular file (a device)" in proc.stdout
+
+
+def test_file_over_a_megabyte_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "job.toml", "#" * 2**20 + "\nepochs = 1\n")
+    message = error_of(lambda: load_config_file(path))
+    assert f"config file '{path}' is too large (1.0 MiB, over the limit of 1 MiB)" in message
 
 
 def test_duplicate_key_is_a_syntax_error(tmp_path: Path) -> None:
@@ -397,6 +442,16 @@ def test_other_errors_of_the_module_propagate(tmp_path: Path, clean_imports: Non
     with pytest.raises(RuntimeError, match="boom at import"):
         load_job(f"{path}:build")
     assert "raising_job" not in sys.modules
+
+
+def test_job_file_that_is_a_fifo_or_a_folder(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo_job.py"
+    os.mkfifo(fifo)
+    message = error_of(lambda: load_job(f"{fifo}:build"))  # Python would wait for a writer
+    assert f"'{fifo}' is a FIFO, not a Python file (for --job {fifo}:build)" in message
+    folder = tmp_path / "folder_job.py"
+    folder.mkdir()
+    assert "is a folder, not a Python file" in error_of(lambda: load_job(f"{folder}:build"))
 
 
 def test_no_such_file(tmp_path: Path) -> None:

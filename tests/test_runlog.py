@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from ddpkit import runlog
+from ddpkit.errors import ConfigError
 from ddpkit.runlog import RunLog
 
 
@@ -55,3 +62,73 @@ def test_an_empty_record_is_not_kept_and_numbers_already_taken_are_skipped(
     assert _losses(tmp_path / "metrics.2.jsonl") == [5.0]
     assert (tmp_path / "config.1.json").read_text() == "{}"
     assert json.loads((tmp_path / "config.2.json").read_text())["resume"] is False
+
+
+# -- a start that fails leaves the folder as it was --------------------------------------
+# A real write failure without root or a small disk: past RLIMIT_FSIZE a write fails with
+# EFBIG (SIGXFSZ, which would kill the process, ignored), as on a full disk.
+_START_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+from ddpkit.errors import ConfigError
+from ddpkit.runlog import RunLog
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))
+try:
+    RunLog(sys.argv[1], {"resume": False, "epochs": 3, "run_dir": sys.argv[1]}, enabled=True)
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+def _start_under_a_size_limit(folder: Path) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", _START_UNDER_A_SIZE_LIMIT, str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return proc.stdout.strip()
+
+
+def _contents(folder: Path) -> dict[str, bytes | None]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+        for p in folder.rglob("*")
+    }
+
+
+def test_a_full_run_folder_says_so_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    folder = tmp_path / "runs" / "a"  # neither folder exists yet
+    message = _start_under_a_size_limit(folder)
+    assert message.startswith(f"cannot write the run log {folder / 'config.json'}: "), message
+    assert "file size limit" in message and "--run-dir" in message, message
+    assert _contents(tmp_path) == {}  # no config.json, no metrics.jsonl, no folder
+
+
+def test_a_full_run_folder_keeps_the_last_run_where_it_was(tmp_path: Path) -> None:
+    _run(tmp_path, [3.0, 2.0])
+    (tmp_path / "notes.txt").write_text("mine")
+    before = _contents(tmp_path)
+    message = _start_under_a_size_limit(tmp_path)
+    assert "cannot write the run log" in message, message
+    assert _contents(tmp_path) == before  # not renamed to metrics.1.jsonl, nothing added
+
+
+def test_a_logger_that_cannot_start_leaves_the_folder_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _run(tmp_path, [3.0, 2.0])
+    before = _contents(tmp_path)
+
+    def refuse(name: str, folder: Path, config: object) -> None:
+        raise ConfigError(f"loggers: {name} could not start: pass another")
+
+    monkeypatch.setattr(runlog, "start_logger", refuse)
+    with pytest.raises(ConfigError, match="csv could not start"):
+        RunLog(str(tmp_path), {"resume": False, "loggers": ["csv"]}, enabled=True)
+    assert _contents(tmp_path) == before
+    with pytest.raises(ConfigError, match="csv could not start"):
+        RunLog(str(tmp_path / "new"), {"resume": False, "loggers": ["csv"]}, enabled=True)
+    assert _contents(tmp_path) == before

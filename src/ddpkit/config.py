@@ -267,7 +267,8 @@ def parse_option(name: str, text: str) -> Any:
         with contextlib.suppress(ValueError):
             value = kind(text)
     elif typing.get_origin(kind) is Sequence:
-        # "csv,wandb"; "" is none, so a flag can empty the list that a file set.
+        # "csv,wandb"; "" is the empty list (`ddpkit train --loggers ''` is refused before
+        # this, in ddpkit.cli.flags: typed on a command line, it is a mistake).
         value = [part.strip() for part in text.split(",") if part.strip()]
     return check_option(name, value)
 

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import stat
 import sys
 import types
 import typing
@@ -132,12 +133,29 @@ def _import_failed(name: str, exc: BaseException) -> ConfigError:
 
 def _load_file_module(path_text: str, spec: str) -> types.ModuleType:
     path = Path(path_text).expanduser()
-    if not path.is_file():
+    try:
+        info = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
         raise ConfigError(
             f"no such file {path_text!r} (for --job {spec}; looked for {path.absolute()}): "
             "pass --job path/to/file.py:build with an existing file, "
             "or package.module:build for an installed module"
+        ) from None
+    except OSError as exc:  # a folder on the way that this user may not enter, say
+        raise _unreadable(path_text, spec, exc) from None
+    if not stat.S_ISREG(info.st_mode):
+        # Python would wait for a FIFO's writer, or read a device without end.
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
+        raise ConfigError(
+            f"{path_text!r} is {kind}, not a Python file (for --job {spec}): "
+            "pass --job path/to/file.py:build with a regular file"
         )
+    # A file that cannot be read is said here: the import would raise the OSError as if
+    # the module's own code had (which propagates as it is).
+    try:
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+    except OSError as exc:
+        raise _unreadable(path_text, spec, exc) from None
     path = path.resolve()
     name = path.stem
     existing = sys.modules.get(name)
@@ -169,6 +187,23 @@ def _load_file_module(path_text: str, spec: str) -> types.ModuleType:
         sys.modules.pop(name, None)
         raise
     return module
+
+
+# What a path that is not a regular file is, in words.
+_KINDS = {
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def _unreadable(path_text: str, spec: str, exc: OSError) -> ConfigError:
+    return ConfigError(
+        f"cannot read {path_text!r} (for --job {spec}): {exc.strerror or exc}: "
+        "check its permissions and its folder's, or pass --job with a file you can read"
+    )
 
 
 def _missing_attr_message(module: types.ModuleType, attr: str, depth: int, spec: str) -> str:

@@ -11,12 +11,19 @@ file) already holds records keeps the last run's files under the first number N 
 is free: metrics.N.jsonl, config.N.json, steps.N.csv, epochs.N.csv and tb.N/, and
 `RunLog.kept` is the kept metrics.N.jsonl; so no file mixes two runs. A resumed run
 appends to the files of the run it continues.
+
+A run log that cannot start (a full disk, a logger that fails to start, Ctrl-C) leaves
+the folder as it was: config.json is written to a temporary file and renamed into place
+last, and what was made or renamed until then is undone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -56,15 +63,35 @@ class RunLog:
             return
         names = list(config.get("loggers") or ())
         check_installed(names)  # a missing package leaves the folder as it was
+        changes = _Changes()
+        try:
+            self._start(config, names, changes)
+        except BaseException:
+            # Bad input, a full disk, Ctrl-C: no empty config.json, no half-kept last run.
+            self.close(quiet=True)
+            changes.undo()
+            raise
+
+    def _start(self, config: dict[str, Any], names: list[str], changes: _Changes) -> None:
+        """Make the folder, keep the last run's files, open metrics.jsonl, start the
+        loggers and then put config.json in place, recording each change in `changes`.
+        config.json is written first, beside its name: on a full disk that write is
+        the one that fails, before anything else changed."""
+        assert self.folder is not None
+        config_json = self.folder / "config.json"
         target = self.folder
         try:
+            changes.folders = _missing_folders(self.folder)
             self.folder.mkdir(parents=True, exist_ok=True)
+            target = config_json
+            staged = _stage(config_json, json.dumps(config, indent=2, default=str) + "\n")
+            changes.files.append(staged)
             if not config.get("resume"):
-                self.kept = keep_last_run(self.folder)
-            target = self.folder / "config.json"
-            target.write_text(json.dumps(config, indent=2, default=str) + "\n")
+                self.kept = keep_last_run(self.folder, renamed=changes.renames)
             # Append: a resumed run continues the same record.
             target = self.folder / "metrics.jsonl"
+            if not _exists(target):
+                changes.files.append(target)
             self._file = target.open("a", buffering=1)
         except OSError as exc:
             raise self._failed(target, exc) from None
@@ -72,10 +99,13 @@ class RunLog:
             try:
                 self._loggers.append(start_logger(name, self.folder, config))
             except Exception as exc:
-                self.close(quiet=True)
                 if isinstance(exc, ConfigError):
                     raise
                 self._logger_failed(name, str(self.folder), "start", exc)
+        try:
+            os.replace(staged, config_json)
+        except OSError as exc:
+            raise self._failed(config_json, exc) from None
 
     @property
     def active(self) -> bool:
@@ -156,10 +186,12 @@ class RunLog:
         )
 
 
-def keep_last_run(folder: Path) -> Path | None:
+def keep_last_run(folder: Path, *, renamed: list[tuple[Path, Path]] | None = None) -> Path | None:
     """Rename the last run's files in `folder` to the first number N that none of them
     has (metrics.N.jsonl, config.N.json, steps.N.csv, epochs.N.csv, tb.N), when its
-    metrics.jsonl or a CSV file holds records; the renamed metrics file, or None."""
+    metrics.jsonl or a CSV file holds records; the renamed metrics file, or None.
+    Each rename done is appended to `renamed` as (old, new) as it is done, so that a
+    failure half way can be undone too."""
     if not any(_has_records(folder / name) for name in RECORD_FILES):
         return None
     names = (*RECORD_FILES, *KEPT_WITH)
@@ -169,6 +201,8 @@ def keep_last_run(folder: Path) -> Path | None:
     for name in names:
         if _exists(folder / name):
             (folder / name).rename(folder / _numbered(name, number))
+            if renamed is not None:
+                renamed.append((folder / name, folder / _numbered(name, number)))
     for name in RECORD_FILES:
         if _exists(folder / _numbered(name, number)):
             return folder / _numbered(name, number)
@@ -187,3 +221,55 @@ def _has_records(path: Path) -> bool:
 
 def _exists(path: Path) -> bool:
     return path.exists() or path.is_symlink()
+
+
+class _Changes:
+    """What starting a run log did to its folder so far, to undo when the start fails:
+    the folders it made, the files it created, the last run's files it renamed."""
+
+    def __init__(self) -> None:
+        self.folders: list[Path] = []  # outermost first
+        self.files: list[Path] = []
+        self.renames: list[tuple[Path, Path]] = []  # (old, new)
+
+    def undo(self) -> None:
+        """Put the folder back as it was, as far as that can be done. Never raises: it
+        runs while an error that must not be hidden is on its way out. A logger's own
+        files are left, so a folder holding them stays as well."""
+        for path in self.files:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        for old, new in reversed(self.renames):
+            if not _exists(old):  # a logger may have made a new one: leave both
+                with contextlib.suppress(OSError):
+                    new.rename(old)
+        for folder in reversed(self.folders):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty: never anything else's files
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """The folders that `folder.mkdir(parents=True)` would make, outermost first."""
+    missing: list[Path] = []
+    while not _exists(folder) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing[::-1]
+
+
+def _stage(path: Path, text: str) -> Path:
+    """`text` written and synced to a new temporary file beside `path`, for
+    os.replace to put in place whole (a reader never sees half of it); the temporary
+    file, or OSError with none left behind (say on a full disk)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # O_EXCL: a new file of this process's own; mode 0o666 less the umask, as open() gives.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp

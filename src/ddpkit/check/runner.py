@@ -247,12 +247,36 @@ def python_files(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], l
     A file named explicitly is checked whatever its suffix; in folders, hidden
     folders, virtual environments and caches are skipped.
     """
+    found, missing, _ = _collect(paths)
+    return found, missing
+
+
+def _collect(
+    paths: Iterable[str | os.PathLike[str]],
+) -> tuple[list[Path], list[Path], list[Finding]]:
+    """`python_files`' files and missing paths, and a DDP000 finding for each folder
+    that could not be read (os.walk would skip it in silence: "no findings")."""
     found: list[Path] = []
     missing: list[Path] = []
+    unreadable: list[Finding] = []
+
+    def folder_failed(exc: OSError) -> None:
+        where = os.fsdecode(exc.filename) if exc.filename is not None else "?"
+        reason = f"cannot read folder: {exc.strerror or exc}, the files in it were not checked"
+        unreadable.append(_unreadable(where, 1, 1, reason))
+
     for raw in paths:
         path = Path(raw)
-        if path.is_dir():
-            for root, dirs, files in os.walk(path):
+        try:
+            info = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            missing.append(path)
+            continue
+        except OSError:  # say a folder above it that may not be entered: read, and said
+            found.append(path)
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            for root, dirs, files in os.walk(path, onerror=folder_failed):
                 dirs[:] = sorted(
                     d
                     for d in dirs
@@ -261,13 +285,18 @@ def python_files(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], l
                     and not os.path.exists(os.path.join(root, d, "pyvenv.cfg"))
                 )
                 found.extend(Path(root, f) for f in sorted(files) if f.endswith(".py"))
-        elif path.exists():
-            found.append(path)
         else:
-            missing.append(path)
+            found.append(path)
     # The same file reached twice (a folder and a file in it) is checked once.
     unique = list(dict.fromkeys(found))
-    return unique, missing
+    return unique, missing, unreadable
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(path.stat().st_mode)
+    except OSError:  # not there, or not to be looked at: its file's DDP000 says why
+        return False
 
 
 @dataclass
@@ -284,7 +313,8 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        """0 clean, 1 findings, 2 when a path is missing or a file could not be checked."""
+        """0 clean, 1 findings, 2 when a path is missing or a file or folder could not be
+        checked."""
         if self.missing or self.unreadable:
             return 2
         return 1 if self.findings else 0
@@ -308,18 +338,19 @@ def check_paths(
         ignore: skip these rule codes or prefixes.
 
     Returns:
-        A `Report`: the findings (sorted by file and line), the number of files
-        checked, the paths that do not exist, and `exit_code` (0 clean, 1 findings,
-        2 unreadable files or missing paths).
+        A `Report`: the findings (sorted by file and line; a DDP000 one for each file
+        or folder that could not be read), the number of files checked, the paths that
+        do not exist, and `exit_code` (0 clean, 1 findings, 2 unreadable files or
+        folders, or missing paths).
 
     Raises:
         SelectionError: a code in `select` or `ignore` names no rule.
     """
     rules = select_rules(select, ignore)
     given = [Path(p) for p in paths]
-    files, missing = python_files(given)
-    report = Report(files_checked=len(files), missing=missing)
-    roots = [p if p.is_dir() else p.parent for p in given]
+    files, missing, unreadable = _collect(given)
+    report = Report(findings=unreadable, files_checked=len(files), missing=missing)
+    roots = [p if _is_dir(p) else p.parent for p in given]
     report.findings.extend(_check_program(files, roots, rules))
     report.findings.sort()
     return report

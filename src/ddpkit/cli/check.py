@@ -1,7 +1,8 @@
 """`ddpkit check PATH...`: the command-line front end of the checker (`ddpkit.check`).
 
-Exit status: 0 clean, 1 findings, 2 usage errors, missing paths or files that
-could not be read or parsed (the other files are still checked).
+Exit status: 0 clean, 1 findings, 2 usage errors (an empty PATH or `--select ''` too),
+missing paths, or files or folders that could not be read or parsed (the other files
+are still checked).
 """
 
 from __future__ import annotations
@@ -26,6 +27,24 @@ def _codes(values: list[str] | None) -> list[str] | None:
     return [code for value in values for code in value.split(",") if code.strip()]
 
 
+def _empty_value(args: argparse.Namespace) -> str | None:
+    """What is wrong when an argument is empty text (an unset shell variable, say),
+    which would otherwise mean something else: "" a path is the current folder, and
+    `--select ''` selects no rule, so nothing is ever found."""
+    if any(not path for path in args.paths):
+        return (
+            "an empty PATH ('') names no file or folder: pass the files or folders to "
+            "check, e.g. `ddpkit check .` for the current folder"
+        )
+    for flag, values in (("--select", args.select), ("--ignore", args.ignore)):
+        if values is not None and _codes(values) == []:
+            return (
+                f"{flag} {','.join(values)!r} names no rule code: pass {flag} with codes "
+                f"such as DDP103 or prefixes such as DDP1, or leave it out"
+            )
+    return None
+
+
 def add_parser(sub: Any) -> None:
     codes = "\n".join(f"  {r.code} {r.severity.value:<7}  {r.summary}" for r in RULES)
     p: argparse.ArgumentParser = sub.add_parser(
@@ -33,7 +52,7 @@ def add_parser(sub: Any) -> None:
         help=HELP,
         description=f"{HELP[0].upper()}{HELP[1:]}.\n\nrules:\n{codes}",
         epilog="Silence one line with `# noqa: DDP103`; `--explain CODE` says why a rule "
-        "exists.\nExit status: 0 clean, 1 findings, 2 usage error or unreadable file.",
+        "exists.\nExit status: 0 clean, 1 findings, 2 usage error or unreadable file or folder.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="*", metavar="PATH", help="files and folders (*.py, recursively)")
@@ -68,17 +87,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.paths:
         return _usage_error("give at least one file or folder to check, e.g. `ddpkit check .`")
+    empty = _empty_value(args)
+    if empty is not None:
+        return _usage_error(empty)
     try:
         report = check_paths(args.paths, select=_codes(args.select), ignore=_codes(args.ignore))
     except SelectionError as exc:
         return _usage_error(str(exc))
     for path in report.missing:
         print(f"ddpkit check: error: no such file or folder: {path}", file=sys.stderr)
-    line = summary(report.findings, report.files_checked)
+    # "no findings in 0 files" beside the error of a missing path says nothing more.
+    quiet = report.missing and not report.files_checked and not report.findings
+    line = None if quiet else summary(report.findings, report.files_checked)
     if args.format == "json":
         sys.stdout.write(format_json(report.findings))
-        print(line, file=sys.stderr)  # stdout stays one JSON document
+        if line is not None:
+            print(line, file=sys.stderr)  # stdout stays one JSON document
     else:
         sys.stdout.write(format_text(report.findings))
-        print(line)
+        if line is not None:
+            print(line)
     return report.exit_code

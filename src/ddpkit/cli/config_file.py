@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,16 @@ else:  # pragma: no cover - Python 3.10
 __all__ = ["load_config_file", "merge_config"]
 
 TRAIN_TABLE = "train"
+# Larger files are not read: a file of TrainConfig options is a few hundred bytes, and a
+# file that never ends (a device) would be read until memory runs out.
+MAX_CONFIG_BYTES = 2**20
+# What a path that is not a regular file is, in words.
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -40,24 +51,13 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     Every key must be a field of `TrainConfig` and every value right for it (an
     integer is taken for a float field). Raises `ConfigError` naming the file.
     """
+    if not os.fspath(path):  # Path("") is ".", the current folder
+        raise ConfigError(
+            "--config '' names no file: pass --config with the path of a TOML file, or leave it out"
+        )
     file = Path(path)
     name = f"config file {str(file)!r}"
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{name} not found (looked for {file.absolute()}): "
-            "pass --config with the path of an existing TOML file"
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(
-            f"{name} is a folder: pass --config with the path of a TOML file"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read {name}: {exc.strerror or exc}: "
-            "check its permissions, or pass --config with another file"
-        ) from None
+    data = _read_regular_file(file, name)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -68,8 +68,56 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{name} is not valid TOML: {exc}{_quote_line(text, str(exc))}") from None
+        raise ConfigError(
+            f"{name} is not valid TOML: {exc}{_quote_line(text, str(exc))}: correct it "
+            "(each option is written name = value, e.g. epochs = 10)"
+        ) from None
     return validate_options(_options_table(document, name), name)
+
+
+def _read_regular_file(file: Path, name: str) -> bytes:
+    """The bytes of `file`, a regular file of at most MAX_CONFIG_BYTES; else ConfigError.
+
+    The kind of file is checked before it is opened: opening a FIFO waits for a writer,
+    and opening some devices does something. It is opened without blocking all the same,
+    and checked again, in case another file took its name meanwhile."""
+    try:
+        info = file.stat()
+        _check_kind(info, name)
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(fd)
+            _check_kind(info, name)
+            data = f.read(MAX_CONFIG_BYTES + 1)  # no more: the file may grow meanwhile
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{name} not found (looked for {file.absolute()}): "
+            "pass --config with the path of an existing TOML file"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read {name}: {exc.strerror or exc}: "
+            "check its permissions, or pass --config with another file"
+        ) from None
+    size = max(info.st_size, len(data))
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{name} is too large ({size / 2**20:.1f} MiB, over the limit of "
+            f"{MAX_CONFIG_BYTES // 2**20} MiB): a file of TrainConfig options is far smaller; "
+            "pass --config with the right file"
+        )
+    return data
+
+
+def _check_kind(info: os.stat_result, name: str) -> None:
+    """ConfigError unless `info` is a regular file's."""
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"{name} is a folder: pass --config with the path of a TOML file")
+    if not stat.S_ISREG(info.st_mode):
+        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
+        raise ConfigError(
+            f"{name} is not a regular file ({kind}): pass --config with the path of a TOML file"
+        )
 
 
 def _options_table(document: dict[str, Any], name: str) -> dict[str, Any]:
@@ -93,7 +141,8 @@ def _options_table(document: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _quote_line(text: str, message: str) -> str:
-    """The offending line of a TOML syntax error, quoted, if the message names one."""
+    """The offending line of a TOML syntax error, quoted, if the message names one: on
+    the same line as the error, since every error of the command is one line."""
     match = re.search(r"at line (\d+)", message)
     if not match:
         return ""
@@ -101,7 +150,10 @@ def _quote_line(text: str, message: str) -> str:
     lines = text.splitlines()
     if not 1 <= number <= len(lines):
         return ""
-    return f"\n    {number} | {lines[number - 1]}"
+    line = lines[number - 1].strip()
+    if len(line) > 80:  # a line of a whole table helps no one
+        line = line[:77] + "..."
+    return f": line {number} is {line!r}"
 
 
 def merge_config(

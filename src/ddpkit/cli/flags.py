@@ -85,10 +85,10 @@ def print_job_help(args: argparse.Namespace) -> int:
     from ddpkit.job import example_module
     from ddpkit.jobspec import load_job
 
-    if args.job:
+    if args.job is not None:  # "" too: it names no job, and load_job says so
         job, defaults = args.job, load_job(args.job)[1]
     else:
-        job = args.example or "digits"
+        job = "digits" if args.example is None else args.example
         defaults = dict(example_module(job).DEFAULTS)
     parser: argparse.ArgumentParser = args.parser
     for action in parser._actions:  # argparse has no public way to change a help text
@@ -106,9 +106,25 @@ def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for f in dataclasses.fields(TrainConfig):
         given = getattr(args, f.name, None)
-        if given is not None:  # text, or a bool from --x/--no-x
-            values[f.name] = parse_option(f.name, given) if isinstance(given, str) else given
+        if given is None:
+            continue
+        if isinstance(given, str) and typing.get_origin(field_type(f.name)[0]) is Sequence:
+            _check_names_given(f.name, given)
+        # text, or a bool from --x/--no-x
+        values[f.name] = parse_option(f.name, given) if isinstance(given, str) else given
     return values
+
+
+def _check_names_given(name: str, text: str) -> None:
+    """ConfigError when list flag `name` (--loggers) names nothing: `--loggers ''` typed
+    on a command line is a mistake (say an unset shell variable), not a wish for none;
+    leaving the flag out is how to log nowhere else."""
+    if not any(part.strip() for part in text.split(",")):
+        flag = "--" + name.replace("_", "-")
+        raise ConfigError(
+            f"{flag} {text!r} names no {name.rstrip('s')}: pass {flag} "
+            f"{TrainConfig.__dataclass_fields__[name].metadata['example']}, or leave it out"
+        )
 
 
 def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
@@ -118,14 +134,16 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
     from ddpkit.job import example_module
     from ddpkit.jobspec import load_job
 
-    flags = _flag_values(args)  # first: a bad flag costs no import of the job
-    if args.job:
+    # First the flags and the file: a bad one costs no import of the job.
+    flags = _flag_values(args)
+    from_file = {} if args.config is None else load_config_file(args.config)
+    # An empty --job or --example ("") names no job: refused, not taken as the default.
+    if args.job is not None:
         _, defaults = load_job(args.job)  # fail here, not in every worker
         job_name = args.job
     else:
-        job_name = args.example or "digits"
+        job_name = "digits" if args.example is None else args.example
         defaults = dict(example_module(job_name).DEFAULTS)
-    from_file = load_config_file(args.config) if args.config else {}
     return job_name, TrainConfig(**merge_config(defaults, from_file, flags))
 
 

@@ -9,6 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ddpkit.errors import ConfigError
+
 # The choices only: ddpkit.plot itself imports nothing heavy (matplotlib is imported when drawing).
 from ddpkit.plot import X_AXES
 
@@ -59,6 +61,17 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="ddpkit: warning: %(message)s")
     run_dirs: list[str] = args.run_dirs
+    # "" (an unset shell variable, say) would be Path("") = ".": charts drawn from, or
+    # written into, the current folder.
+    if any(not run_dir for run_dir in run_dirs):
+        raise ConfigError(
+            "RUN_DIR '' names no folder: pass the run folder that holds metrics.jsonl"
+        )
+    if args.out == "":
+        raise ConfigError(
+            "--out '' names no folder: pass --out DIR, or leave it out to write the charts "
+            f"into the run folder (./{_DEFAULT_MULTI_OUT} for several runs)"
+        )
     if args.out is not None:
         out = Path(args.out)
     elif len(run_dirs) == 1:

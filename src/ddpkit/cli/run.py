@@ -174,6 +174,11 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
             f"script {args.script!r} is {kind}, not a Python file: "
             "pass the path of a training script, or -m MODULE"
         )
+    if not os.access(script, os.R_OK):  # else every rank fails on it: exit 1, not 2
+        raise ConfigError(
+            f"script {args.script!r} cannot be read: Permission denied: "
+            "check its permissions, or pass a script you can read"
+        )
     return [args.script, *args.args], nproc
 
 
