@@ -4,8 +4,10 @@ A checkpoint is one file `ckpt-<global step>.pt` holding the unwrapped model sta
 optimizer/scheduler/scaler state, the next epoch, the global step, the config and
 every rank's RNG state. A write goes to a temporary file in the same folder, is
 flushed to disk and then renamed, so a crash mid-save leaves the previous checkpoint
-intact. Loading uses `weights_only=True` (no arbitrary code from a pickle: a file that
-holds other Python objects is refused, never unpickled) and maps tensors onto the loading
+intact; the checkpoints it outdates leave their names by a rename before the new one
+gets its name, so a kill never leaves more than `keep_last` of them, nor a damaged one.
+Loading uses `weights_only=True` (no arbitrary code from a pickle: a file that holds other
+Python objects is refused, never unpickled) and maps tensors onto the loading
 rank's own device. On resume, rank 0 alone chooses the checkpoint and every rank loads
 exactly that file (checked by its sha256), or every rank stops with the same error.
 
@@ -23,7 +25,6 @@ import logging
 import os
 import pickle
 import re
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,9 +42,10 @@ from ddpkit.model import strip_prefixes, unwrap
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
     FolderLock,
-    fsync_folder,
+    delete,
     holds_lock,
     host_token,
+    install,
     is_running,
     os_error_in,
     this_process,
@@ -108,7 +110,9 @@ class _WriteFailed(Exception):
         super().__init__(what)
 
 
-def _write_atomically(obj: Any, path: Path) -> None:
+def _write_atomically(obj: Any, path: Path, retire: list[Path] | None = None) -> None:
+    """Write `obj` to `path` by a temporary file and a rename; `retire` (older
+    checkpoints) leave their names just before `path` gets its own (`storage.install`)."""
     me = this_process()
     prefix = f".{path.name}.{me.pid}@{host_token(me.host)}."
     try:
@@ -125,7 +129,7 @@ def _write_atomically(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        install(Path(tmp), path, retire or [])
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         error = os_error_in(exc) if isinstance(exc, Exception) else None
@@ -134,7 +138,6 @@ def _write_atomically(obj: Any, path: Path) -> None:
         needed = _serialised_size(obj) if error.errno in _ROOM_ERRNOS else None
         what, fix = write_failure(error, path.parent, needed)
         raise _WriteFailed(f"cannot write checkpoint {path}: {what}", fix) from None
-    fsync_folder(path.parent)
 
 
 _ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -183,7 +186,7 @@ def _clear_temporaries(folder: Path) -> None:
                 locked = holds_lock(folder)
             crashed = locked
         if crashed:
-            _remove(tmp)
+            delete(tmp)  # already under a hidden name
 
 
 def _gather_to_main(obj: Any, ctx: DistContext) -> list[Any]:
@@ -217,7 +220,9 @@ def save_checkpoint(
         directory: the checkpoint folder (created if missing).
         ctx: this rank's `DistContext`.
         step: the number in the file name (an optimizer step or an epoch).
-        keep_last: keep only the newest this many checkpoints (None: keep all).
+        keep_last: keep only the newest this many checkpoints, this one included (None:
+            keep all); the older ones leave their names before this one gets its own, so
+            even a kill never leaves more.
         shards: tensors that every rank writes its own part of (a sharded model's and
             optimizer's state, from `sharded.tensors_of`): the checkpoint is then the
             folder `ckpt-<step>.dcp` (see `ddpkit.sharded`).
@@ -257,11 +262,10 @@ def _save_sharded(
     def finish() -> None:
         try:
             _write_checkpoint({**state, "sharded": True}, rngs, ctx.world_size, tmp / sharded.META)
-            sharded.publish(tmp, path)
+            sharded.publish(tmp, path, _outdated(directory, path, keep_last))
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            delete(tmp)
             raise
-        _prune(directory, keep_last)
 
     _on_rank0(finish, ctx, f"write checkpoint {path}")
     return path
@@ -284,7 +288,7 @@ def _write_checkpoint(
     me = this_process()
     payload["writer"] = {"command": me.command, "host": me.host, "pid": me.pid, "time": me.since}
     try:
-        _write_atomically(payload, path)
+        _write_atomically(payload, path, _outdated(path.parent, path, keep_last))
     except _WriteFailed as exc:
         # A failed write touches no checkpoint (not even one of the same name).
         before = list_checkpoints(path.parent)
@@ -297,21 +301,17 @@ def _write_checkpoint(
             f"{exc.what}; {kept} and no partial file was left: {exc.fix}, or pass "
             "--checkpoint-dir on another disk"
         ) from None
-    _prune(path.parent, keep_last)
 
 
-def _prune(folder: Path, keep_last: int | None) -> None:
-    if keep_last is not None:
-        for old in list_checkpoints(folder)[:-keep_last]:
-            _remove(old)
-
-
-def _remove(path: Path) -> None:
-    """Delete a checkpoint file or a sharded checkpoint's folder."""
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+def _outdated(folder: Path, new: Path, keep_last: int | None) -> list[Path]:
+    """The checkpoints in `folder` that `new` outdates, to be removed as it is published
+    (`storage.install`): all but the newest `keep_last - 1` of the others (None or 0:
+    none). The one just written is always kept, also when the folder holds newer steps
+    (say a damaged one that its resume skipped)."""
+    if keep_last is None or keep_last < 1:
+        return []
+    others = [p for p in list_checkpoints(folder) if p != new]
+    return others[: max(len(others) - (keep_last - 1), 0)]
 
 
 def model_fingerprint(state: dict[str, Any]) -> str:
@@ -486,7 +486,12 @@ def _corrupt(path: Path, error: str) -> _Unreadable:
 
 
 def _load(path: Path, ctx: DistContext) -> tuple[dict[str, Any], str]:
-    """The state in `path` and the sha256 of the bytes it was decoded from (read once)."""
+    """The state in `path` and the sha256 of the bytes it was decoded from (read once).
+    A sharded checkpoint is first checked against its `.metadata`, so that a damaged one
+    is skipped as a corrupt file is, not found out by DCP in the middle of a load."""
+    problem = sharded.damage(path) if path.is_dir() else None
+    if problem is not None:
+        raise _corrupt(path, problem)
     try:
         data = _read_bytes(path)
     except FileNotFoundError:

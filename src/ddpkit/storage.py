@@ -15,7 +15,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import shlex
+import shutil
 import socket
 import sys
 import time
@@ -233,6 +235,60 @@ def fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- replacing and removing whole files and folders -----------------------------------
+# A name is the unit a kill cannot split: one rename either happened or did not. So a
+# file or folder leaves its name by one rename, to a hidden temporary name of this
+# process (`.<name>.<pid>@<host>.<random>.tmp`, the form of a write in progress, so that
+# the next job clears a leftover one), and only then is deleted; deleting a folder in
+# place would leave it damaged under its name, file by file, until the last one is gone.
+
+
+def set_aside(path: Path) -> Path:
+    """Rename `path` (a file or a folder) to a new hidden temporary name beside it, and
+    return that name."""
+    token = f"{os.getpid()}@{host_token(socket.gethostname())}.{secrets.token_hex(4)}"
+    aside = path.with_name(f".{path.name}.{token}.tmp")
+    os.rename(path, aside)
+    return aside
+
+
+def delete(path: Path) -> None:
+    """Delete a file or a folder that has no name anyone reads (never raises)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def install(tmp: Path, path: Path, retire: list[Path]) -> None:
+    """Give the finished `tmp` the name `path` (in the same folder) and remove `retire`,
+    so that at no moment more names are visible than at the end: each of `retire`, and an
+    older folder at `path`, is first renamed aside, then `tmp` is renamed in, then the
+    ones set aside are deleted. A kill at any moment leaves every name whole (at worst
+    `path` and `retire` are all gone, their bytes under hidden names the next job
+    clears). When the rename of `tmp` fails, the ones set aside get their names back."""
+    # A folder cannot be renamed over another one that is not empty, and deleting it
+    # first would damage it under its name: it is set aside as the retired ones are.
+    replaced = [path] if path.is_dir() and not path.is_symlink() else []
+    aside: list[tuple[Path, Path]] = []
+    try:
+        for old in [*retire, *replaced]:
+            try:
+                aside.append((old, set_aside(old)))
+            except FileNotFoundError:
+                continue
+        os.replace(tmp, path)  # a file at `path` is replaced by this one rename
+    except BaseException:
+        for old, moved in reversed(aside):
+            with contextlib.suppress(OSError):
+                os.rename(moved, old)
+        raise
+    fsync_folder(path.parent)
+    for _, moved in aside:
+        delete(moved)
 
 
 @contextlib.contextmanager

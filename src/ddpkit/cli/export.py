@@ -2,16 +2,18 @@
 
 A sharded checkpoint (strategy "fsdp", a `ckpt-*.dcp` folder) is gathered into one
 state dict; a one-file checkpoint gives its model. The output loads with
-`model.load_state_dict(torch.load(OUT, weights_only=True))`.
+`model.load_state_dict(torch.load(OUT, weights_only=True))`. A damaged checkpoint is
+refused in one line; of a checkpoint folder, the newest one that is intact is exported.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import ConfigError
+from ddpkit.errors import CheckpointError, ConfigError
 
 HELP = "write a checkpoint's model weights as one file (also from a sharded checkpoint)"
 
@@ -30,19 +32,28 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.checkpoint import atomic_save, find_checkpoint, load_checkpoint
     from ddpkit.context import DistContext
     from ddpkit.model import strip_prefixes
+    from ddpkit.sharded import damage
 
     source, out = Path(args.checkpoint), Path(args.out)
     ctx = DistContext.single("cpu")
     if not source.exists():
         raise ConfigError(f"checkpoint {source} does not exist: pass a ckpt-* file or folder")
     if source.is_dir() and source.suffix != ".dcp":
-        found = find_checkpoint(source, ctx)
+        found = find_checkpoint(source, ctx)  # skips damaged ones, as a resume does
         if found is None:
             raise ConfigError(f"no checkpoint in {source}: pass a folder that holds ckpt-* files")
+        if found.skipped:
+            print(f"ddpkit: {found.skip_note()}; exporting {found.path.name}", file=sys.stderr)
         source = found.path
     if out.is_dir():
         raise ConfigError(f"{out} is a folder: pass a file name, e.g. {out / 'model.pt'}")
-    if source.suffix == ".dcp":
+    if source.is_dir():
+        problem = damage(source)
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint {source} is damaged ({problem}): export an intact one; "
+                f"`ddpkit export {source.parent} {out}` picks the newest"
+            )
         model = _gather_model(source, out)
     else:
         model = load_checkpoint(source, ctx)["model"]
@@ -56,10 +67,23 @@ def _gather_model(folder: Path, out: Path) -> dict[str, Any]:
     import tempfile
 
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         joined = Path(tmp, "joined.pt")
-        dcp_to_torch_save(folder, joined)
-        state = torch.load(joined, map_location="cpu", weights_only=True)
+        # Reached when the sizes are right and the bytes are not. DCP's own error is a
+        # BaseException that holds each rank's error (here the one rank's).
+        try:
+            dcp_to_torch_save(folder, joined)
+            state = torch.load(joined, map_location="cpu", weights_only=True)
+        except (Exception, CheckpointException) as exc:
+            cause: BaseException = exc
+            if isinstance(exc, CheckpointException) and exc.failures:
+                cause = next(iter(exc.failures.values()))[0]
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {folder} cannot be read ({type(cause).__name__}: {first}): "
+                f"export an intact one; `ddpkit export {folder.parent} {out}` picks the newest"
+            ) from None
     return dict(state["model"])
