@@ -37,8 +37,8 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 import ddpkit
-from ddpkit.fsdp import gathered
 from ddpkit.seed import rng_state
+from ddpkit.verification.runs import leaves, same, whole
 
 SEED = 7
 SAMPLES = 48  # per epoch: 6 batches of 4 per rank on 2 ranks, 12 on one
@@ -229,7 +229,7 @@ def _whole(value: Any) -> Any:
     """`value` with every tensor replaced by a CPU copy of all of it (FSDP shards are
     gathered: a collective, so every rank walks the same structure in the same order)."""
     if isinstance(value, torch.Tensor):
-        return gathered(value).detach().cpu().clone()
+        return whole(value)
     if isinstance(value, dict):
         return {k: _whole(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -249,31 +249,6 @@ def held_state(
     }
 
 
-def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from _leaves(item, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(value, (list, tuple)) and any(
-        isinstance(v, (dict, list, tuple, torch.Tensor)) for v in value
-    ):
-        for i, item in enumerate(value):
-            yield from _leaves(item, f"{prefix}.{i}")
-    else:
-        yield prefix, value
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    return bool(a == b)
-
-
 def differences(a: dict[str, Any], b: dict[str, Any], *, rng: bool = True) -> list[str]:
     """The dotted names whose values differ between two `held_state`s (the RNG streams
     left out with `rng=False`: ranks draw streams of their own by design)."""
@@ -282,9 +257,9 @@ def differences(a: dict[str, Any], b: dict[str, Any], *, rng: bool = True) -> li
             {k: v for k, v in a.items() if k != "rng"},
             {k: v for k, v in b.items() if k != "rng"},
         )
-    left, right = dict(_leaves(a)), dict(_leaves(b))
+    left, right = dict(leaves(a)), dict(leaves(b))
     out = [f"{k} (only in one)" for k in sorted(left.keys() ^ right.keys())]
-    out += [k for k in left if k in right and not _same(left[k], right[k])]
+    out += [k for k in left if k in right and not same(left[k], right[k])]
     return out
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddpkit.config import describe, validate_options
 from ddpkit.errors import ConfigError
+from ddpkit.userfiles import kind_of
 
 if TYPE_CHECKING:  # ddpkit.job imports torch; loading a spec does not need it
     from ddpkit.job import BuildFn
@@ -145,7 +146,7 @@ def _load_file_module(path_text: str, spec: str) -> types.ModuleType:
         raise _unreadable(path_text, spec, exc) from None
     if not stat.S_ISREG(info.st_mode):
         # Python would wait for a FIFO's writer, or read a device without end.
-        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
+        kind = kind_of(info.st_mode)
         raise ConfigError(
             f"{path_text!r} is {kind}, not a Python file (for --job {spec}): "
             "pass --job path/to/file.py:build with a regular file"
@@ -187,16 +188,6 @@ def _load_file_module(path_text: str, spec: str) -> types.ModuleType:
         sys.modules.pop(name, None)
         raise
     return module
-
-
-# What a path that is not a regular file is, in words.
-_KINDS = {
-    stat.S_IFDIR: "a folder",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a device",
-    stat.S_IFBLK: "a device",
-    stat.S_IFSOCK: "a socket",
-}
 
 
 def _unreadable(path_text: str, spec: str, exc: OSError) -> ConfigError:

@@ -17,6 +17,7 @@ from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.model import UNREADABLE, Finding, Severity
 from ddpkit.check.program import analyse_program
 from ddpkit.check.rules import RULES, Rule
+from ddpkit.userfiles import NotRegularFile, read_regular
 
 # A bare noqa comment silences every code on its line; `noqa: DDP103, DDP106` only those.
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)*))?", re.I)
@@ -24,14 +25,6 @@ _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[\s,]+[A-Z]+[0-9]+)
 _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "venv", "build", "dist"})
 # Larger files are not read: no training script is this big, and /dev/zero never ends.
 MAX_FILE_BYTES = 5 * 2**20
-# What a path that is not a regular file is, in words.
-_KINDS = {
-    stat.S_IFDIR: "a folder",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a device",
-    stat.S_IFBLK: "a device",
-    stat.S_IFSOCK: "a socket",
-}
 
 
 class SelectionError(ValueError):
@@ -148,19 +141,14 @@ def _check(source: str | bytes, path: str, rules: Sequence[Rule]) -> list[Findin
 
 
 def _read_bytes(path: str) -> bytes | Finding:
-    """The file's bytes; a regular file of at most MAX_FILE_BYTES only (a FIFO is opened
-    without blocking, and not read)."""
+    """The file's bytes; a regular file of at most MAX_FILE_BYTES only (a FIFO is never
+    waited on, a device never read: see `ddpkit.userfiles.read_regular`)."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
-                return _unreadable(path, 1, 1, f"not a regular file ({kind}), file not checked")
-            data = f.read(MAX_FILE_BYTES + 1) if info.st_size <= MAX_FILE_BYTES else b""
+        data, size = read_regular(path, MAX_FILE_BYTES)
+    except NotRegularFile as exc:
+        return _unreadable(path, 1, 1, f"not a regular file ({exc.kind}), file not checked")
     except OSError as exc:
         return _unreadable(path, 1, 1, f"cannot read file: {exc.strerror or exc}")
-    size = max(info.st_size, len(data))
     if size > MAX_FILE_BYTES:
         mb = f"{size / 2**20:.1f} MB, over the limit of {MAX_FILE_BYTES // 2**20} MB"
         return _unreadable(path, 1, 1, f"too large, file not checked ({mb})")

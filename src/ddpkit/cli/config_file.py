@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from ddpkit.config import describe, validate_options
 from ddpkit.errors import ConfigError
+from ddpkit.userfiles import NotRegularFile, read_regular
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -29,13 +29,6 @@ TRAIN_TABLE = "train"
 # Larger files are not read: a file of TrainConfig options is a few hundred bytes, and a
 # file that never ends (a device) would be read until memory runs out.
 MAX_CONFIG_BYTES = 2**20
-# What a path that is not a regular file is, in words.
-_KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFCHR: "a device",
-    stat.S_IFBLK: "a device",
-    stat.S_IFSOCK: "a socket",
-}
 
 
 def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -76,19 +69,18 @@ def load_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _read_regular_file(file: Path, name: str) -> bytes:
-    """The bytes of `file`, a regular file of at most MAX_CONFIG_BYTES; else ConfigError.
-
-    The kind of file is checked before it is opened: opening a FIFO waits for a writer,
-    and opening some devices does something. It is opened without blocking all the same,
-    and checked again, in case another file took its name meanwhile."""
+    """The bytes of `file`, a regular file of at most MAX_CONFIG_BYTES; else ConfigError
+    (see `ddpkit.userfiles.read_regular`)."""
     try:
-        info = file.stat()
-        _check_kind(info, name)
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-        with os.fdopen(fd, "rb") as f:
-            info = os.fstat(fd)
-            _check_kind(info, name)
-            data = f.read(MAX_CONFIG_BYTES + 1)  # no more: the file may grow meanwhile
+        data, size = read_regular(file, MAX_CONFIG_BYTES)
+    except NotRegularFile as exc:
+        if exc.kind == "a folder":
+            raise ConfigError(
+                f"{name} is a folder: pass --config with the path of a TOML file"
+            ) from None
+        raise ConfigError(
+            f"{name} is not a regular file ({exc.kind}): pass --config with the path of a TOML file"
+        ) from None
     except FileNotFoundError:
         raise ConfigError(
             f"{name} not found (looked for {file.absolute()}): "
@@ -99,7 +91,6 @@ def _read_regular_file(file: Path, name: str) -> bytes:
             f"cannot read {name}: {exc.strerror or exc}: "
             "check its permissions, or pass --config with another file"
         ) from None
-    size = max(info.st_size, len(data))
     if size > MAX_CONFIG_BYTES:
         raise ConfigError(
             f"{name} is too large ({size / 2**20:.1f} MiB, over the limit of "
@@ -107,17 +98,6 @@ def _read_regular_file(file: Path, name: str) -> bytes:
             "pass --config with the right file"
         )
     return data
-
-
-def _check_kind(info: os.stat_result, name: str) -> None:
-    """ConfigError unless `info` is a regular file's."""
-    if stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"{name} is a folder: pass --config with the path of a TOML file")
-    if not stat.S_ISREG(info.st_mode):
-        kind = _KINDS.get(stat.S_IFMT(info.st_mode), "a special file")
-        raise ConfigError(
-            f"{name} is not a regular file ({kind}): pass --config with the path of a TOML file"
-        )
 
 
 def _options_table(document: dict[str, Any], name: str) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from ddpkit.cli.flags import add_oversubscribe_flag, check_processes
 from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.errors import ConfigError
 from ddpkit.slurm import slurm_step
+from ddpkit.userfiles import kind_of
 
 HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
 
@@ -169,7 +169,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     if not script.exists():
         raise ConfigError(f"script {args.script!r} does not exist")
     if not script.is_file():
-        kind = _KINDS.get(stat.S_IFMT(script.stat().st_mode), "a special file")
+        kind = kind_of(script.stat().st_mode)
         raise ConfigError(
             f"script {args.script!r} is {kind}, not a Python file: "
             "pass the path of a training script, or -m MODULE"
@@ -183,11 +183,3 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
 
 
 _MAX_PORT = 65535
-# What a path that is not a regular file is, in words.
-_KINDS = {
-    stat.S_IFDIR: "a folder",
-    stat.S_IFIFO: "a FIFO (named pipe)",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-}
