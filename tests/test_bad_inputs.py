@@ -311,14 +311,12 @@ ROWS = [
         ("export", "fifo.py", "out.pt"),
         "is not a regular file",
         needs=("fifo.py",),
-        pending="cli/export.py opens a FIFO and waits for a writer (issue 33)",
     ),
     Row(
         "export-dev-zero",
         ("export", "/dev/zero", "out.pt"),
         "is not a regular file",
         reads_device=True,
-        pending="cli/export.py reads /dev/zero until MemoryError (issue 33)",
     ),
     # -- ddpkit check: one DDP000 finding per file it cannot check; the others are checked
     Row(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.userfiles import kind_of
 
 HELP = "write a checkpoint's model weights as one file (also from a sharded checkpoint)"
 
@@ -38,6 +39,12 @@ def run(args: argparse.Namespace) -> int:
     ctx = DistContext.single("cpu")
     if not source.exists():
         raise ConfigError(f"checkpoint {source} does not exist: pass a ckpt-* file or folder")
+    kind = kind_of(source.stat().st_mode)
+    if kind not in ("a regular file", "a folder"):  # a FIFO would block, a device not end
+        raise ConfigError(
+            f"checkpoint {source} is not a regular file ({kind}): pass a ckpt-*.pt file, "
+            "a ckpt-*.dcp folder or a checkpoint folder"
+        )
     if source.is_dir() and source.suffix != ".dcp":
         found = find_checkpoint(source, ctx)  # skips damaged ones, as a resume does
         if found is None:
