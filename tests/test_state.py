@@ -30,6 +30,7 @@ from ddpkit import (
     CheckpointError,
     ConfigError,
     DistContext,
+    WorkerError,
     launch,
     load_state,
     prepare_loader,
@@ -262,7 +263,7 @@ def test_one_process_round_trip_from_a_named_file(tmp_path: Path, stream: bool) 
 
 # -- nothing to resume, broken files, bad arguments ----------------------------------------
 def _parts() -> dict[str, Any]:
-    model = nn.Linear(8, 1)
+    model: nn.Module = nn.Linear(8, 1)
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
 
 
@@ -319,3 +320,45 @@ def test_a_plain_dataloader_resumed_mid_epoch_is_refused_with_the_fix(tmp_path: 
     rebuilt = prepare_loader(plain, CTX)  # the fix the message names
     load_state(path, CTX, **_parts(), loader=rebuilt)
     assert len(list(rebuilt)) == 2  # the two batches after the save
+
+
+def _hand_loop_recording(ctx: DistContext, folder: str, record: str, stop: int | None) -> None:
+    """2 epochs of 40 indexed samples, batch 4, a save after every step; each rank
+    appends 'epoch index' lines to `record`; raises after saving step `stop`."""
+    from tests.test_trainer_features import _Indexed
+
+    seed_everything(0)
+    model: nn.Module = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = prepare_model(model, ctx)
+    loader = prepare_loader(_Indexed(), ctx, batch_size=4)
+    start = load_state(folder, ctx, model=model, optimizer=opt, loader=loader)
+    start = start or {"epoch": 0, "batch": 0, "step": 0}
+    step = start["step"]
+    for epoch in range(start["epoch"], 2):
+        loader.set_epoch(epoch)
+        first = start["batch"] if epoch == start["epoch"] else 0
+        for batch, (x, y, index) in enumerate(loader, start=first + 1):
+            with open(f"{record}.{ctx.rank}", "a") as f:
+                f.writelines(f"{epoch} {i}\n" for i in index.tolist())
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            step += 1
+            save_state(folder, ctx, model=model, optimizer=opt, loader=loader, epoch=epoch,
+                       batch=batch, step=step)  # fmt: skip
+            if step == stop:
+                raise RuntimeError(f"stopped after saving step {stop}")
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_hand_loop_resumed_on_another_world_size_trains_each_sample_once(
+    tmp_path: Path, before: int, after: int
+) -> None:
+    from tests.test_trainer_features import _trained
+
+    folder, record = str(tmp_path / "ck"), str(tmp_path / "record")
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 3"):
+        launch(_hand_loop_recording, folder, record, 3, nprocs=before)
+    launch(_hand_loop_recording, folder, record + "-resumed", None, nprocs=after)
+    assert _trained(tmp_path) == [list(range(40)), list(range(40))]

@@ -101,6 +101,13 @@ class DistributedLoader(DataLoader[Any]):
         self.sampler.start = batches * cast(int, self.batch_size)
         return True
 
+    def samples_done(self, batches: int, world_size: int) -> int:
+        """Where the pass under way stands after this rank's `batches` batches, in samples
+        of the epoch's global order (all ranks together): what `batches_after` resumes."""
+        if not batches:
+            return 0
+        return self.pass_start + batches * cast(int, self.batch_size) * world_size
+
     def batches_after(self, samples: int, world_size: int, saved_world_size: int) -> int:
         """Prepare a mid-epoch resume after the first `samples` samples of the epoch's
         global order (all ranks together), whatever number of ranks and batch size

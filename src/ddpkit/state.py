@@ -411,12 +411,13 @@ def _loader_position(
     where the epoch stands in samples of that order, which another number of ranks or
     another batch size can resume (a batch count means nothing there)."""
     sampler_epoch = getattr(loader.sampler, "epoch", None)
-    start = loader.pass_start if isinstance(loader, DistributedLoader) else 0
     return {
         "epoch": sampler_epoch if isinstance(sampler_epoch, int) else epoch,
         "batch_size": loader.batch_size,
         "world_size": ctx.world_size,
-        "epoch_samples": start + batch * (loader.batch_size or 1) * ctx.world_size if batch else 0,
+        "epoch_samples": loader.samples_done(batch, ctx.world_size)
+        if isinstance(loader, DistributedLoader)
+        else batch * (loader.batch_size or 1) * ctx.world_size,
     }
 
 

@@ -599,10 +599,7 @@ class Trainer:
             # Where the epoch stands in samples of its global order, which any number
             # of ranks can resume (the batch count holds only for this one).
             "world_size": self.ctx.world_size,
-            "epoch_samples": self.train_loader.pass_start
-            + self.batch * self.config.batch_size * self.ctx.world_size
-            if self.batch
-            else 0,
+            "epoch_samples": self.train_loader.samples_done(self.batch, self.ctx.world_size),
             "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "should_stop": self.should_stop,
