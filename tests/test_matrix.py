@@ -25,10 +25,11 @@ Cost, measured on 2 shared cores (load average 6) with today's defects (a hang c
 to `HANG_TIMEOUT` or `COLLECTIVE_TIMEOUT`): without the slow ones (`FAST`: the ddp
 column and its resume 2 -> 1; 15 tests) 28 s; the whole file (66 tests) 2 min 40 s.
 
-Every run happens in a forked child of the test process (`in_child`): a one-process
-`launch` runs in the calling process, and would leave torch's thread pool behind in the
-test process, after which `launch` spawns its workers instead of forking them (seconds
-slower each).
+Every run happens in a child forked from a fresh server process (`in_child`, the
+forkserver start with torch preloaded), never from the test process itself: other tests
+run one-process launches in the test process, which leave torch's thread pool and gloo's
+threads behind there, and a child forked from it could hang on them (it did: in
+`destroy_group`, after a one-process test of test_state.py had run first).
 """
 
 from __future__ import annotations
@@ -68,15 +69,21 @@ FAST = {("ddp", feature) for feature in FEATURES}
 
 
 # -- running in a child process -----------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def _imported_once() -> None:
-    """What every rank imports on its way (DDP imports torch._dynamo: 2 s; FSDP and its
-    checkpoints), imported once here, so that forked ranks find it loaded. Imports
-    start no thread, so `launch` still forks."""
-    import importlib
-
-    for name in ("torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint"):
-        importlib.import_module(name)
+# What every rank imports on its way (DDP imports torch._dynamo: 2 s; FSDP and its
+# checkpoints), imported once in the server, so that children and their forked ranks
+# find it loaded. Imports start no thread, so `launch` still forks there.
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(
+    [
+        "torch",
+        "torch._dynamo",
+        "torch.distributed.fsdp",
+        "torch.distributed.checkpoint",
+        "ddpkit",
+        "tests.matrix_jobs",
+        "tests.test_matrix",
+    ]
+)
 
 
 class RunFailed(Exception):
@@ -97,12 +104,11 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
 
 
 def in_child(fn: Callable[..., Any], *args: Any, deadline: float = RUN_DEADLINE) -> Any:
-    """`fn(*args)` in a forked child of this process; its result, or RunFailed with its
+    """`fn(*args)` in a child forked from the server; its result, or RunFailed with its
     error; RunFailed too if it has not answered within `deadline` seconds (it is then
     killed, and launch's workers die with it)."""
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(send, fn, args))
+    receive, send = _CONTEXT.Pipe(duplex=False)
+    child = _CONTEXT.Process(target=_child, args=(send, fn, args))
     child.start()
     send.close()
     try:
