@@ -75,4 +75,4 @@ def test_a_rank_waiting_for_an_idle_child_is_uncertain_and_said_so() -> None:
     assert "rank 0 is waiting for an idle child process at job.py:5" in notice
     hang, _ = judge.judge({**statuses, 1: _waiting(seq=1, since=NOW - 28)}, now=NOW)
     assert hang is not None
-    assert "kept waiting for an idle child process without using the CPU" in hang.why
+    assert "kept waiting for an idle child process; stopped at the collective timeout" in hang.why

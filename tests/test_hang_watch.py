@@ -5,11 +5,13 @@ judge alone, on hand-made reports."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,3 +213,17 @@ def test_a_childs_cpu_is_work_and_its_mere_existence_is_not() -> None:
     finally:
         idle.kill()
         idle.wait()
+
+
+def test_reading_data_is_work_even_without_cpu(tmp_path: Path) -> None:
+    # A download or a slow disk: bytes come in, the CPU idles. Its own reads of /proc
+    # are no work.
+    data = tmp_path / "shard.bin"
+    data.write_bytes(os.urandom(1 << 16))
+    activity = _activity()
+    time.sleep(0.5)
+    assert not activity.working()
+    with data.open("rb") as f:
+        f.read()
+    time.sleep(0.5)
+    assert activity.working()

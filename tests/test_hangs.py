@@ -80,6 +80,60 @@ def test_a_true_hang_is_stopped_within_the_hang_timeout(fn: object, words: list[
         assert word in text, text
 
 
+def _sleep_in_one_call(ctx: DistContext) -> None:
+    if ctx.rank == 0:
+        time.sleep(4 * HANG_TIMEOUT)  # it would end, but no CPU: parked, like a deadlock
+    dist.barrier()
+
+
+def test_a_call_that_blocks_without_cpu_longer_than_the_hang_timeout_is_stopped() -> None:
+    # The README: a rank parked at one line (no CPU, no reading) is stopped, even in a
+    # call that would have returned later; raise hang_timeout above such waits.
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        launch(_sleep_in_one_call, nprocs=2, hang_timeout=HANG_TIMEOUT)
+    assert time.monotonic() - start < 4 * HANG_TIMEOUT
+    assert "rank 0 stayed at one line without using the CPU" in info.value.summary
+
+
+def _hold_the_gil(ctx: DistContext, items: int) -> str:
+    if ctx.rank == 0:
+        sum(range(items))  # one C call that never lets the watch's thread run
+    dist.barrier()
+    return "done"
+
+
+@pytest.mark.slow
+def test_one_long_call_that_holds_the_gil_is_never_stopped(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # Its watch cannot report, so nothing says whether it works: uncertain (notices;
+    # the collective timeout), never "parked" (it was stopped after the hang timeout).
+    hang_timeout = 8.0
+    start = time.perf_counter()
+    sum(range(10**7))
+    items = int(10**7 * (2.5 * hang_timeout) / (time.perf_counter() - start))
+    assert launch(_hold_the_gil, items, nprocs=2, hang_timeout=hang_timeout) == "done"
+    assert "holds Python's lock" in capfd.readouterr().err
+
+
+def _return_early(ctx: DistContext) -> None:
+    if ctx.rank == 1:
+        return  # rank 0 waits in the barrier below for a rank that has left
+    dist.barrier()
+
+
+def test_a_rank_that_returns_while_another_waits_is_named_as_a_hang() -> None:
+    # gloo fails rank 0's barrier at once ("Connection closed by peer"): the report
+    # names the rank that left and where the other waited, not rank 0 as the culprit.
+    with pytest.raises(HangError) as info:
+        launch(_return_early, nprocs=2, hang_timeout=0)
+    summary = info.value.summary
+    assert "rank 1 ended while rank 0 waited in a collective" in summary, summary
+    assert f"rank 0: in barrier at {__file__}:" in summary, summary
+    assert "rank 1: ended" in summary
+
+
 class _SleepAtTheEnd(Callback):
     def on_fit_end(self, trainer: Trainer, result: object) -> None:
         if trainer.ctx.rank == 1:

@@ -64,7 +64,6 @@ def _interrupt(folder: Path, rng: random.Random, target: str) -> tuple[int, bool
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        start_new_session=True,  # a process group of its own, for "every process"
     )
     assert proc.stdout is not None
     first = _line_after_start(proc.stdout)  # the first epoch line: training has started
@@ -79,8 +78,9 @@ def _interrupt(folder: Path, rng: random.Random, target: str) -> tuple[int, bool
     left = (EPOCHS - 2) * (time.monotonic() - started)
     time.sleep(rng.uniform(0.0, 0.8 * left))
     with contextlib.suppress(ProcessLookupError):  # it may have finished
-        if target == "every-process":
-            os.killpg(proc.pid, signal.SIGTERM)
+        if target == "every-process":  # as SLURM signals every process of the job
+            for pid in [proc.pid, *workers]:
+                os.kill(pid, signal.SIGTERM)
         else:
             os.kill(rng.choice(workers) if target == "one-worker" else proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -164,6 +164,9 @@ def _fit_signalled(ctx: DistContext, folder: str | None, rank: int, signum: int)
     [
         (1, 0, signal.SIGTERM, 5),  # one process: no vote to wait for
         (2, 1, signal.SIGUSR1, 6),  # the vote is one step late: every rank stops after 6
+        # Ctrl-C reaches the launcher alone (the workers have a process group of their
+        # own): a SIGINT that reaches one worker was sent to it, and it saves too.
+        (2, 1, signal.SIGINT, 6),
     ],
 )
 def test_launch_raises_preempted_after_every_rank_saved_the_same_step(
@@ -191,7 +194,8 @@ import ddpkit
 class SignalTheJob(ddpkit.Callback):
     def on_step_end(self, trainer, step):
         if step == 5 and trainer.ctx.rank == 0:  # as a scheduler would: to the job's process
-            os.kill(os.getppid() if trainer.ctx.world_size > 1 else os.getpid(), signal.SIGTERM)
+            signum = getattr(signal, sys.argv[3])
+            os.kill(os.getppid() if trainer.ctx.world_size > 1 else os.getpid(), signum)
 
 
 def main(ctx, folder):
@@ -215,14 +219,15 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("nprocs", [1, 2])
-def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int) -> None:
+@pytest.mark.parametrize(("nprocs", "name"), [(1, "SIGTERM"), (2, "SIGTERM"), (2, "SIGUSR1")])
+def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int, name: str) -> None:
     # `python script.py`, where nothing catches Preempted: SLURM's requeue needs 75.
+    # The line names the signal that reached the launcher, which passes that one on.
     script = tmp_path / "job.py"
     script.write_text(SCRIPT_JOB)
     folder = tmp_path / "ck"
     proc = subprocess.run(
-        [sys.executable, str(script), str(folder), str(nprocs)],
+        [sys.executable, str(script), str(folder), str(nprocs), name],
         capture_output=True,
         text=True,
         timeout=240,
@@ -233,7 +238,7 @@ def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int) 
     assert len(said) == 1, proc.stderr
     # The launcher passes the signal on while the ranks train: the step may come later.
     found = re.fullmatch(
-        r"ddpkit: stopped by SIGTERM after step (\d+); saved (.+): resume from it "
+        rf"ddpkit: stopped by {name} after step (\d+); saved (.+): resume from it "
         r"\(with ddpkit train: the same command and --resume\)",
         said[0],
     )
@@ -272,8 +277,8 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "to_worker"),
-    [(signal.SIGUSR1, False), (signal.SIGTERM, True)],
-    ids=["usr1-agent", "term-worker"],
+    [(signal.SIGUSR1, False), (signal.SIGTERM, True), (signal.SIGINT, False), (signal.SIGINT, True)],
+    ids=["usr1-agent", "term-worker", "int-agent", "int-worker"],
 )
 def test_ddpkit_run_saves_on_a_signal_and_resumes(
     tmp_path: Path, signum: int, to_worker: bool
@@ -292,6 +297,7 @@ def test_ddpkit_run_saves_on_a_signal_and_resumes(
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT, err
     assert "saved" in err and "ckpt-" in err
+    assert f"stopped by {signal.Signals(signum).name} after step" in err, err
     assert wait_gone(workers) == []
     resumed = subprocess.run([*cmd, "resume"], capture_output=True, text=True, timeout=240)
     straight = subprocess.run(
@@ -389,7 +395,7 @@ def test_the_sbatch_command_saves_on_usr1_and_its_requeued_run_resumes(
     os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == PREEMPTED_EXIT, err
-    assert err.count("ddpkit: stopped by SIGTERM after step") == 1, err  # said once
+    assert err.count("ddpkit: stopped by SIGUSR1 after step") == 1, err  # said once
     requeued = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert _digest(requeued) == straight
 

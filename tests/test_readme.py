@@ -253,3 +253,59 @@ def test_the_ported_script_runs_and_changes_at_most_15_lines(tmp_path: Path) -> 
         "ckpt-000000000.pt",
         "ckpt-000000002.pt",
     ]
+
+
+# Each case the README's hang section names, and the tests that show it on real processes.
+HANG_CASES = {
+    # stopped
+    "the ranks wait in different": [
+        "test_hangs.py::test_a_true_hang_is_stopped_within_the_hang_timeout",
+        "test_run.py::test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang",
+    ],
+    "a rank has finished or exited while others wait": [
+        "test_hangs.py::test_a_rank_that_returns_while_another_waits_is_named_as_a_hang",
+        "test_hangs.py::test_a_rank_that_never_finishes_after_another_returned_is_stopped",
+        "test_run.py::test_a_rank_that_exits_0_while_another_waits_is_named",
+        "test_run.py::test_a_rank_that_ended_its_script_is_described_as_finished",
+    ],
+    "a deadlocked lock": ["test_hang_watch.py::test_a_hang_is_stopped_while_idle_dataloader_workers_live"],
+    "`time.sleep(600)`": [
+        "test_hangs.py::test_a_call_that_blocks_without_cpu_longer_than_the_hang_timeout_is_stopped",
+        "test_hangs.py::test_a_true_hang_is_stopped_within_the_hang_timeout",
+    ],
+    "stops the job within a few seconds": [
+        "test_run.py::test_a_hang_in_a_script_that_saves_on_signals_is_stopped_as_quickly"
+    ],
+    # never stopped
+    "rank 0 going on alone after `launch` under `ddpkit run`": [
+        "test_hang_judge.py::test_rank_0_alone_after_launch_released_the_others_is_never_a_hang"
+    ],
+    "in a thread that the main thread `join()`s": [
+        "test_hang_watch.py::test_work_in_a_thread_that_the_main_thread_joins_is_not_stopped",
+        "test_hang_watch.py::test_cpu_of_any_thread_is_work_but_not_the_watchs_own",
+    ],
+    "a big\n    matmul": ["test_hangs.py::test_a_long_computation_in_rank_zero_first_completes"],
+    "whose child uses the CPU": [
+        "test_hang_watch.py::test_a_busy_child_is_work_and_an_idle_one_is_only_uncertain",
+        "test_hang_watch.py::test_a_childs_cpu_is_work_and_its_mere_existence_is_not",
+    ],
+    "a download": ["test_hang_watch.py::test_reading_data_is_work_even_without_cpu"],
+    # uncertain
+    "a rank that polls": [
+        "test_hangs.py::test_a_polling_rank_gets_notices_then_stops_at_the_collective_timeout"
+    ],
+    "for a child that uses no CPU": [
+        "test_hang_judge.py::test_a_rank_waiting_for_an_idle_child_is_uncertain_and_said_so"
+    ],
+    "holds Python's lock": ["test_hangs.py::test_one_long_call_that_holds_the_gil_is_never_stopped"],
+}
+
+
+def test_every_case_of_the_hang_section_has_its_tests() -> None:
+    section = README[README.index("- **hangs**: every worker reports") :]
+    section = section[: section.index("With several machines")]
+    for words, tests in HANG_CASES.items():
+        assert words in section, f"the README no longer says {words!r}: update HANG_CASES"
+        for test in tests:
+            path, name = test.split("::")
+            assert f"def {name}(" in (ROOT / "tests" / path).read_text(), test

@@ -244,6 +244,58 @@ def test_a_rank_that_ended_its_script_is_described_as_finished(tmp_path: Path) -
     assert wait_gone(_pids(tmp_path), within=5) == []
 
 
+def test_a_hang_in_a_script_that_saves_on_signals_is_stopped_as_quickly(tmp_path: Path) -> None:
+    # Under `ddpkit run`, `launch` runs fn in place and handles SIGTERM to save; a rank
+    # blocked in a collective never runs that handler, so the agent's SIGTERM and its
+    # 30 s of grace held the job (40 s after the ranks blocked, and silent until then).
+    script = _script(
+        tmp_path,
+        "mismatch.py",
+        PIDS
+        + """
+import torch, torch.distributed as dist, ddpkit
+def main(ctx):
+    if ctx.rank == 0:
+        dist.barrier()
+    else:
+        dist.all_reduce(torch.ones(1))
+ddpkit.launch(main)
+""",
+    )
+    start = time.monotonic()
+    out = run_cli(
+        "run", "--nproc", "2", "--hang-timeout", "5", str(script), env={"PID_DIR": str(tmp_path)}
+    )
+    elapsed = time.monotonic() - start
+    assert out.returncode == 124, out.stderr
+    assert "the ranks have waited 5 s in different collectives" in out.stderr, out.stderr
+    assert elapsed < 5 + 15, f"took {elapsed:.0f}s"
+    assert wait_gone(_pids(tmp_path), within=5) == []
+
+
+def test_a_rank_that_exits_0_while_another_waits_is_named(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        "leaves.py",
+        PIDS
+        + """
+import sys, torch.distributed as dist
+dist.init_process_group("gloo")
+if rank == 1:
+    sys.exit(0)
+dist.barrier()  # line 11
+""",
+    )
+    out = run_cli("run", "--nproc", "2", str(script), env={"PID_DIR": str(tmp_path)})
+    assert out.returncode == 124, out.stderr
+    summary = out.stderr[out.stderr.index("ddpkit: the job is hung") :]
+    assert "rank 1 ended while rank 0 waited in a collective" in summary, summary
+    assert f"rank 0: in barrier at {script}:11 in <module>" in summary, summary
+    assert "rank 1: ended" in summary
+    assert "failed first" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("ddpkit: stopped the hung job")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

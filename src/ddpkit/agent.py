@@ -45,9 +45,11 @@ from ddpkit.diagnosis.report import (  # noqa: E402
     HANG_EXIT,
     HangJudge,
     blame_key,
+    left_early,
     read_reports,
     status_key,
 )
+from ddpkit.diagnosis.watchdog import descendants  # noqa: E402
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
 from ddpkit.launcher import serve_store, threads_per_rank  # noqa: E402
 from ddpkit.scratch import scratch_dir  # noqa: E402
@@ -246,15 +248,24 @@ class _StoreReports:
         return reports
 
 
+_HANG_STOPPED = (
+    f"ddpkit: stopped the hung job (exit status {HANG_EXIT}); the summary is above the stacks"
+)
+# Seconds between telling the agent to stop (it then restarts no worker) and killing
+# the workers of a hung job.
+_HANG_KILL_DELAY_S = 1.0
+
+
 class _HangWatch(threading.Thread):
-    """Polls the workers' reports; prints notices; on a hang, remembers it and
-    signals the agent."""
+    """Polls the workers' reports; prints notices; on a hang, says where each rank is,
+    stops the agent and kills the workers."""
 
     def __init__(
         self, reports: Callable[[], dict[int, dict[str, Any]]], timeout_s: float, world: int
     ) -> None:
         super().__init__(name="ddpkit-hang-watch", daemon=True)
         self.reports, self.judge = reports, HangJudge(timeout_s, world)
+        self.world = world
         self.hang: Any = None
         self.done = threading.Event()
 
@@ -265,11 +276,23 @@ class _HangWatch(threading.Thread):
                 if notice:
                     print(notice, file=sys.stderr, flush=True)
                 if hang is not None:
-                    self.hang = hang
-                    # The agent turns SIGTERM into SignalException in the main thread
-                    # and stops every worker on its way out.
-                    os.kill(os.getpid(), signal.SIGTERM)
+                    self._stop(hang)
                     return
+
+    def _stop(self, hang: Any) -> None:
+        self.hang = hang
+        # Said now: the stop below may take a moment, and the reports go with it.
+        print(f"{hang.summary(self.world)}\n\n{hang.stacks()}\n", file=sys.stderr, flush=True)
+        # The agent turns SIGTERM into SignalException in its main thread and stops
+        # every worker on its way out, with SIGTERM and 30 s of grace. A rank blocked in
+        # a collective runs no Python handler until the call returns (a script that
+        # saves on SIGTERM would hold the job those 30 s), and a hung job cannot save:
+        # its workers (on this node) and their children are killed.
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(_HANG_KILL_DELAY_S)
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _file_reports(status: Path) -> dict[int, dict[str, Any]]:
@@ -292,10 +315,14 @@ def _supervise(
     watch = _HangWatch(reports, hang_timeout, world_size) if hang_timeout > 0 else None
     if watch:
         watch.start()
-    # torchrun's agent stops its workers with SIGTERM on SIGTERM, SIGINT and SIGHUP;
-    # SIGUSR1 (SLURM's --signal=USR1@90) would kill it outright. Make it a SIGTERM:
-    # the workers then save (a Trainer with a checkpoint folder) within torchrun's 30 s.
-    previous = signal.signal(signal.SIGUSR1, lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    # torchrun's agent passes SIGTERM, SIGINT and SIGHUP on to its workers; SIGUSR1
+    # (SLURM's --signal=USR1@90) would kill it outright. Handled as torchrun handles
+    # those, the workers get SIGUSR1 and save (a Trainer with a checkpoint folder)
+    # within torchrun's 30 s.
+    def on_usr1(signum: int, frame: Any) -> None:
+        raise SignalException(f"got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+    previous = signal.signal(signal.SIGUSR1, on_usr1)
     try:
         with _quiet_torchelastic():
             torchrun(parsed)  # type: ignore[no-untyped-call]
@@ -305,20 +332,21 @@ def _supervise(
     except ChildFailedError as exc:
         if _said_preempted(status):  # a worker got the signal itself
             return PREEMPTED_EXIT
+        if watch is not None and watch.hang is not None:  # its workers were killed
+            print(_HANG_STOPPED, file=sys.stderr, flush=True)
+            return HANG_EXIT
+        hung = _left_early(exc, _latest_attempt(status))
+        if hung is not None:
+            print(f"{hung}\n{_HANG_STOPPED}", file=sys.stderr, flush=True)
+            return HANG_EXIT
         report = _crash_report(exc, _latest_attempt(status))
         print(f"{report}\n{_keep_logs(_latest_attempt(status))}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         if _said_preempted(status):
             return PREEMPTED_EXIT
-        if watch is not None and watch.hang is not None:
-            hang = watch.hang
-            print(
-                f"{hang.summary(world_size)}\n\n{hang.stacks()}\n\nddpkit: stopped the hung "
-                f"job (exit status {HANG_EXIT}); the summary is above the stacks",
-                file=sys.stderr,
-                flush=True,
-            )
+        if watch is not None and watch.hang is not None:  # said when it was found
+            print(_HANG_STOPPED, file=sys.stderr, flush=True)
             return HANG_EXIT
         how = (
             "interrupted (Ctrl-C)"
@@ -380,6 +408,25 @@ def _said_preempted(status: Path) -> bool:
         return False
     print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)
     return True
+
+
+def _left_early(exc: Any, folder: Path) -> str | None:
+    """The hang summary (with the waiting ranks' tracebacks) when ranks ended while the
+    others waited for them in a collective (see report.left_early); else None."""
+    errors = read_reports(folder, ".error.json")
+    failed = {
+        rank: (str(errors.get(rank, {}).get("message", "")), errors.get(rank, {}).get("waited_in"))
+        for rank in exc.failures
+    }
+    ended = sorted(int(p.name[4:-6]) for p in folder.glob("rank*.ended") if p.name[4:-6].isdigit())
+    summary = left_early(ended, failed)
+    if summary is None:
+        return None
+    stacks = "\n\n".join(
+        f"--- traceback of rank {rank} ---\n{errors[rank]['traceback'].rstrip()}"
+        for rank in sorted(failed)
+    )
+    return f"{summary}\n\n{stacks}\n"
 
 
 def _crash_report(exc: Any, folder: Path) -> str:

@@ -16,9 +16,14 @@ from ddpkit.fsdp import gathered
 from ddpkit.model import unwrap
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in memory order, without a copy where it is contiguous on
+    the CPU (`bytes(storage)` walked them one at a time: 3.6 s per MiB)."""
     whole = gathered(tensor)  # a shard of FSDP: all of it (a collective)
-    return bytes(whole.detach().cpu().contiguous().clone().untyped_storage())
+    flat = whole.detach().cpu().contiguous().reshape(-1)
+    if flat.is_conj() or flat.is_neg():  # lazy views: the values, not the storage
+        flat = flat.resolve_conj().resolve_neg()
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -37,8 +37,14 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
-from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT, HangJudge, blame_key, read_reports
-from ddpkit.diagnosis.watchdog import Watchdog
+from ddpkit.diagnosis.report import (
+    DEFAULT_HANG_TIMEOUT,
+    HangJudge,
+    blame_key,
+    left_early,
+    read_reports,
+)
+from ddpkit.diagnosis.watchdog import Watchdog, waited_in
 from ddpkit.distributed import destroy_group
 from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
 from ddpkit.preemption import (
@@ -390,7 +396,8 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = _device_for(backend, local_rank)
     _init_group(backend, rank, world, device, timeout_s, init_method="env://")
-    handlers = install_handlers()  # torchrun's agent passes SIGTERM on to its workers
+    # torchrun's agent passes the signal it got (SIGTERM, SIGINT, ...) on to its workers.
+    handlers = install_handlers((*STOP_SIGNALS, signal.SIGINT))
     try:
         return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
     finally:
@@ -593,6 +600,7 @@ def _supervise(
     results: dict[int, Any] = {}
     preempted: dict[int, Preempted] = {}
     failures: list[tuple[float, WorkerError]] = []
+    waits: dict[int, dict[str, str] | None] = {}  # rank -> the collective its error came from
     running = dict(procs)
     open_conns = dict(conns)
     settle_until: float | None = None
@@ -610,7 +618,7 @@ def _supervise(
             elif msg[0] == "preempted":
                 preempted[rank] = msg[1]
             else:
-                _, when, exc_type, text, tb = msg
+                _, when, exc_type, text, tb, waits[rank] = msg
                 message = f"rank {rank} raised {exc_type}: {text}"
                 failures.append((when, WorkerError(rank, message, exc_type=exc_type, traceback=tb)))
 
@@ -665,6 +673,15 @@ def _supervise(
     if forwarder.signum and len(results) < len(procs):
         forwarder.stop_now()  # stopped by the signal before anything was saved
     if failures:
+        errors = [err for _, err in failures]
+        summary = left_early(
+            sorted(results), {e.rank: (Exception.__str__(e), waits.get(e.rank)) for e in errors}
+        )
+        if summary is not None:
+            stacks = "\n\n".join(
+                f"--- traceback of rank {e.rank} ---\n{e.traceback.rstrip()}" for e in errors
+            )
+            raise HangError(summary, stacks)
         raise min(failures, key=_blame_key)[1]
     if 0 not in results:
         raise WorkerError(0, "rank 0 exited without returning a result", exitcode=0)
@@ -776,12 +793,14 @@ def _worker(
         if spec.inherited_fd is not None:
             os.close(spec.inherited_fd)
     die_with_parent(spec.parent_pid)
-    # Ctrl-C reaches every process of the terminal; the parent alone handles it and
-    # stops the workers, so they don't each print a KeyboardInterrupt traceback.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM or SIGUSR1: save and stop if a Trainer with a checkpoint folder runs,
-    # else stop at once (see preemption).
-    install_handlers()
+    # A process group of its own, as torchrun gives its workers: a terminal's Ctrl-C
+    # reaches the launcher alone, which passes it on once, so a SIGINT that reaches a
+    # worker is meant for it.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    # SIGTERM, SIGUSR1 or SIGINT: save and stop if a Trainer with a checkpoint folder
+    # runs, else stop at once (see preemption).
+    install_handlers((*STOP_SIGNALS, signal.SIGINT))
     if not logging.getLogger().handlers:
         logging.basicConfig(level=spec.log_level, format=f"[rank {rank}] %(message)s")
     world = spec.world_size
@@ -873,4 +892,5 @@ def _send(conn: Connection, message: tuple[Any, ...]) -> None:
 def _report(conn: Connection, exc: BaseException) -> None:
     # If the parent is gone or the pipe broke, the exit code still tells.
     with contextlib.suppress(Exception):
-        _send(conn, ("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc()))
+        tb = traceback.format_exc()
+        _send(conn, ("error", time.time(), type(exc).__name__, str(exc), tb, waited_in(exc)))

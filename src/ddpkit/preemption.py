@@ -51,7 +51,8 @@ def requested() -> int:
 def _on_signal(signum: int, frame: Any) -> None:
     if _FLAG.listeners and not _FLAG.signum:
         _FLAG.signum = signum  # the loop saves after the step the ranks agree on
-        if signum == signal.SIGINT:
+        # Said once per machine: a launcher passes Ctrl-C on to each of its workers.
+        if signum == signal.SIGINT and os.environ.get("LOCAL_RANK", "0") == "0":
             print(
                 "ddpkit: saving a checkpoint after this step, then stopping "
                 "(press Ctrl-C again to stop at once)",
@@ -144,7 +145,8 @@ class StopVote:
 
 class SignalForwarder:
     """The launcher's side: the first stop signal or Ctrl-C it receives goes on to the
-    workers as SIGTERM, and they get `grace` seconds to save; a second one stops now."""
+    workers (the same signal, so that they say which came), and they get `grace`
+    seconds to save; a second one stops now."""
 
     def __init__(self, pids: Callable[[], list[int]], grace: float) -> None:
         self.pids, self.grace = pids, grace
@@ -181,4 +183,4 @@ class SignalForwarder:
             )
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, signum)

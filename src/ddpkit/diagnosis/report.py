@@ -16,6 +16,9 @@ HANG_EXIT = 124
 DEFAULT_HANG_TIMEOUT = 300.0
 # How long before the collective timeout an uncertain wait is stopped and reported.
 _EARLY_S = 3.0
+# Seconds without a new report from a live rank (its watch samples every second)
+# after which its main thread must be holding Python's lock.
+_SILENT_S = 5.0
 
 # Words of errors a rank raises because a peer died, not because it failed itself.
 _PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")
@@ -37,7 +40,41 @@ def blame_key(exitcode: int | None, message: str, when: float) -> tuple[int, flo
             return (0, 0.0)
         if not message:
             return (3, when)
-    return (2 if any(word in message for word in _PEER_LOST) else 1, when)
+    return (2 if is_peer_lost(message) else 1, when)
+
+
+def left_early(ended: list[int], failed: dict[int, tuple[str, dict[str, str] | None]]) -> str | None:
+    """The summary of a hang that ended in errors: ranks in `ended` returned (or exited
+    with code 0) while the others waited in a collective for them, and the wait failed
+    only because their sockets closed (gloo: "Connection closed by peer"). None when a
+    failure is of its own (the rank that failed is then the cause).
+
+    `failed`: rank -> (the error's message, `waited_in` of it: the call and the line).
+    """
+    if not ended or not failed:
+        return None
+    if any(where is None or not is_peer_lost(msg) for msg, where in failed.values()):
+        return None
+    waits = {rank: where for rank, (_, where) in failed.items() if where is not None}
+    lines = [
+        f"ddpkit: the job is hung: {_ranks(ended)} ended while {_ranks(list(waits))} waited "
+        "in a collective. Where each rank is:"
+    ]
+    for rank in sorted([*ended, *waits]):
+        if rank in waits:
+            lines.append(f"  rank {rank}: in {waits[rank]['name']} at {waits[rank]['where']}")
+        else:
+            lines.append(f"  rank {rank}: ended (returned, or exited with code 0)")
+    lines.append(
+        "  every rank must call the same collectives in the same order: look for a "
+        "return, `break` or `sys.exit()` under a rank check (e.g. `if rank == 1: return`)"
+    )
+    return "\n".join(lines)
+
+
+def is_peer_lost(message: str) -> bool:
+    """Whether an error says that a peer went away (a consequence, not a cause)."""
+    return any(word in message for word in _PEER_LOST)
 
 
 def status_key(attempt: int, rank: int) -> str:
@@ -176,8 +213,7 @@ class HangJudge:
             how = " or ".join(sorted({_doing(statuses[r], kinds[r]) for r in others}))
             hang.why = (
                 f"{_ranks(waiters)} waited {waited:.0f} s, the collective timeout, while "
-                f"{_ranks(others)} kept {how} without using the CPU; stopped at the "
-                "collective timeout"
+                f"{_ranks(others)} kept {how}; stopped at the collective timeout"
             )
             return hang, None
         expected = all(statuses[r].get("expected_work") for r in others) and all(
@@ -193,6 +229,10 @@ class HangJudge:
             return str(status["state"])
         if status.get("collective"):
             return "waiting"
+        if now - float(status.get("sampled", now)) > _SILENT_S:
+            # Its watch could not run: the main thread holds Python's lock in one long
+            # C call (`sum(range(10**10))`, a regex), working or not: uncertain.
+            return "silent"
         if now - float(status.get("active", now)) < self.timeout:
             return "working"
         if now - float(status.get("moved", now)) < self.timeout:
@@ -241,8 +281,8 @@ class HangJudge:
         hint = (
             ""
             if all(kinds[r] == "working" for r in others)
-            else " (it is not using the CPU: if it waits for something that never comes, "
-            "the job stops at the collective timeout)"
+            else " (if it waits for something that never comes, the job stops at the "
+            "collective timeout)"
         )
         return f"ddpkit: notice: for {waited:.0f} s, {busy}{hint}; waiting: {waits}"
 
@@ -251,6 +291,10 @@ def _doing(status: dict[str, Any], kind: str) -> str:
     """What a rank that does not wait does, in words: "working", "polling", ..."""
     if kind == "polling" and status.get("child_wait"):
         return "waiting for an idle child process"
+    if kind == "polling":
+        return "polling without using the CPU"
+    if kind == "silent":
+        return "in one long call that holds Python's lock (its watch could not report)"
     return kind
 
 

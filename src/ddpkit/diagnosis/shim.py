@@ -142,6 +142,10 @@ def main() -> None:
             log.flush()
         if folder is not None:
             record_error(folder, rank, exc)
+    if code == 0 and folder is not None:
+        # A rank whose peers then fail in a collective left them waiting: the agent
+        # names it (see report.left_early).
+        (folder / f"rank{rank}.ended").touch()
     if code == 0 and watchdog is not None:
         # It now waits for the others (not hung), or, released by launch, for no one.
         watchdog.finish("released" if released else "finished")

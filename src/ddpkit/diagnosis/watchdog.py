@@ -83,6 +83,44 @@ def describe(frame: FrameType | None) -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
+def waited_in(exc: BaseException) -> dict[str, str] | None:
+    """The torch.distributed call that `exc` came out of, and the user's line that
+    made it: {"name": "barrier", "where": "train.py:12 in main"}; None if it came from
+    elsewhere. A rank whose peer left raises there (gloo: "Connection closed by
+    peer"), and the report must say where it was waiting, not only that it failed."""
+    names = COLLECTIVES | POINT_TO_POINT
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        code = frame.f_code
+        if code.co_name in names and code.co_filename.startswith(_TORCH_DIR):
+            return {"name": code.co_name, "where": describe(_user_frame(frame))}
+    return None
+
+
+def descendants(pid: int, read: Callable[[str], str] | None = None) -> list[int]:
+    """Child processes of `pid`, theirs, and so on (Linux: /proc; elsewhere none)."""
+
+    def plain(path: str) -> str:
+        with open(path) as f:
+            return f.read()
+
+    read = read or plain
+    found: list[int] = []
+    todo, seen = [pid], {pid}
+    while todo:
+        parent = todo.pop()
+        tasks: list[str] = []
+        with contextlib.suppress(OSError):
+            tasks = os.listdir(f"/proc/{parent}/task")
+        for task in tasks:  # a child belongs to the thread that started it
+            with contextlib.suppress(OSError, ValueError):
+                for kid in map(int, read(f"/proc/{parent}/task/{task}/children").split()):
+                    if kid not in seen:
+                        seen.add(kid)
+                        found.append(kid)
+                        todo.append(kid)
+    return found
+
+
 # A share of the wall-clock time that the rank (its threads and child processes) must
 # spend on the CPU to count as working; a loop that polls with sleep() uses far less,
 # and so do idle threads (torch's pools, gloo's) and idle DataLoader workers.
@@ -247,30 +285,12 @@ class _Activity:
                     total += int(line.split()[1])
         return total
 
-    def _descendants(self) -> list[int]:
-        """Child processes of this process, theirs, and so on (Linux: /proc)."""
-        found: list[int] = []
-        todo, seen = [os.getpid()], {os.getpid()}
-        while todo:
-            pid = todo.pop()
-            tasks: list[str] = []
-            with contextlib.suppress(OSError):
-                tasks = os.listdir(f"/proc/{pid}/task")
-            for task in tasks:  # a child belongs to the thread that started it
-                with contextlib.suppress(OSError, ValueError):
-                    for kid in map(int, self._read(f"/proc/{pid}/task/{task}/children").split()):
-                        if kid not in seen:
-                            seen.add(kid)
-                            found.append(kid)
-                            todo.append(kid)
-        return found
-
     def _children(self) -> tuple[float, int]:
         """(CPU seconds, bytes read) of the child processes so far: the live ones and
         their own ended children, and the ended children this process reaped."""
         times = os.times()
         cpu, read = times.children_user + times.children_system, 0
-        for pid in self._descendants():
+        for pid in descendants(os.getpid(), self._read):
             with contextlib.suppress(OSError, IndexError, ValueError):
                 # utime, stime, cutime, cstime: fields 14 to 17 of /proc/<pid>/stat
                 fields = self._read(f"/proc/{pid}/stat").rsplit(") ", 1)[1].split()
@@ -441,5 +461,6 @@ def record_error(folder: Path, rank: int, exc: BaseException) -> None:
                 "exc_type": type(exc).__name__,
                 "message": str(exc),
                 "traceback": _format_exception(exc),
+                "waited_in": waited_in(exc),
             },
         )
