@@ -156,14 +156,15 @@ def _fit_linear(
 
 
 def _fit_signalled(ctx: DistContext, folder: str | None, rank: int, signum: int) -> int:
-    return _fit_linear(ctx, folder, _SignalAtStep5(rank, signum), samples=256, epochs=3)
+    # Epochs enough that the ranks' vote (every 0.1 s of steps) comes long before the end.
+    return _fit_linear(ctx, folder, _SignalAtStep5(rank, signum), samples=256, epochs=200)
 
 
 @pytest.mark.parametrize(
     ("nprocs", "rank", "signum", "step"),
     [
         (1, 0, signal.SIGTERM, 5),  # one process: no vote to wait for
-        (2, 1, signal.SIGUSR1, 6),  # the vote is one step late: every rank stops after 6
+        (2, 1, signal.SIGUSR1, 6),  # the vote is read a vote later: after step 6 or more
         # Ctrl-C reaches the launcher alone (the workers have a process group of their
         # own): a SIGINT that reaches one worker was sent to it, and it saves too.
         (2, 1, signal.SIGINT, 6),
@@ -175,9 +176,10 @@ def test_launch_raises_preempted_after_every_rank_saved_the_same_step(
     with pytest.raises(Preempted) as info:
         launch(_fit_signalled, str(tmp_path), rank, signum, nprocs=nprocs)
     err = info.value
-    assert err.signum == signum and err.step == step
-    assert err.checkpoint == tmp_path / f"ckpt-{step:09d}.pt"
-    assert torch.load(err.checkpoint, weights_only=True)["global_step"] == step
+    assert err.signum == signum
+    assert err.step == step if nprocs == 1 else step <= err.step < 200 * 16
+    assert err.checkpoint == tmp_path / f"ckpt-{err.step:09d}.pt"
+    assert torch.load(err.checkpoint, weights_only=True)["global_step"] == err.step
 
 
 SCRIPT_JOB = """
