@@ -279,7 +279,12 @@ if __name__ == "__main__":
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "to_worker"),
-    [(signal.SIGUSR1, False), (signal.SIGTERM, True), (signal.SIGINT, False), (signal.SIGINT, True)],
+    [
+        (signal.SIGUSR1, False),
+        (signal.SIGTERM, True),
+        (signal.SIGINT, False),
+        (signal.SIGINT, True),
+    ],
     ids=["usr1-agent", "term-worker", "int-agent", "int-worker"],
 )
 def test_ddpkit_run_saves_on_a_signal_and_resumes(

@@ -268,7 +268,9 @@ HANG_CASES = {
         "test_run.py::test_a_rank_that_exits_0_while_another_waits_is_named",
         "test_run.py::test_a_rank_that_ended_its_script_is_described_as_finished",
     ],
-    "a deadlocked lock": ["test_hang_watch.py::test_a_hang_is_stopped_while_idle_dataloader_workers_live"],
+    "a deadlocked lock": [
+        "test_hang_watch.py::test_a_hang_is_stopped_while_idle_dataloader_workers_live"
+    ],
     "`time.sleep(600)`": [
         "test_hangs.py::test_a_call_that_blocks_without_cpu_longer_than_the_hang_timeout_is_stopped",
         "test_hangs.py::test_a_true_hang_is_stopped_within_the_hang_timeout",
@@ -297,7 +299,9 @@ HANG_CASES = {
     "for a child that uses no CPU": [
         "test_hang_judge.py::test_a_rank_waiting_for_an_idle_child_is_uncertain_and_said_so"
     ],
-    "holds Python's lock": ["test_hangs.py::test_one_long_call_that_holds_the_gil_is_never_stopped"],
+    "holds Python's lock": [
+        "test_hangs.py::test_one_long_call_that_holds_the_gil_is_never_stopped"
+    ],
 }
 
 

@@ -315,6 +315,7 @@ def _supervise(
     watch = _HangWatch(reports, hang_timeout, world_size) if hang_timeout > 0 else None
     if watch:
         watch.start()
+
     # torchrun's agent passes SIGTERM, SIGINT and SIGHUP on to its workers; SIGUSR1
     # (SLURM's --signal=USR1@90) would kill it outright. Handled as torchrun handles
     # those, the workers get SIGUSR1 and save (a Trainer with a checkpoint folder)

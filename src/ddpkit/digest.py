@@ -23,7 +23,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = whole.detach().cpu().contiguous().reshape(-1)
     if flat.is_conj() or flat.is_neg():  # lazy views: the values, not the storage
         flat = flat.resolve_conj().resolve_neg()
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

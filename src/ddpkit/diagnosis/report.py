@@ -43,7 +43,9 @@ def blame_key(exitcode: int | None, message: str, when: float) -> tuple[int, flo
     return (2 if is_peer_lost(message) else 1, when)
 
 
-def left_early(ended: list[int], failed: dict[int, tuple[str, dict[str, str] | None]]) -> str | None:
+def left_early(
+    ended: list[int], failed: dict[int, tuple[str, dict[str, str] | None]]
+) -> str | None:
     """The summary of a hang that ended in errors: ranks in `ended` returned (or exited
     with code 0) while the others waited in a collective for them, and the wait failed
     only because their sockets closed (gloo: "Connection closed by peer"). None when a
