@@ -1,6 +1,6 @@
 """The benchmark scripts: bench/peers.py's arithmetic and tables (no processes), smoke
-runs of one small cell and of bench/syncbn_cost.py, and bench/gpu_check.sh's CPU-side
-steps.
+runs of one small cell, of bench/syncbn_cost.py and of bench/scaling.py, and
+bench/gpu_check.sh's CPU-side steps.
 
 Accelerate and Lightning Fabric are not needed (CI does not install the `bench` extra):
 the smoke run has only the hand-written loop and ddpkit.
@@ -231,6 +231,31 @@ def test_syncbn_cost_smoke_run(tmp_path: Path) -> None:
     assert set(doc["ms_per_step"]) == {"plain", "ddpkit", "sums"}
     assert doc["ratio_to_plain"]["plain"] == 1.0 and all(v > 0 for v in doc["ms_per_step"].values())
     assert "ddpkit / sums:" in proc.stdout and not out.with_suffix(".part").exists()
+
+
+@pytest.mark.slow
+def test_scaling_smoke_run(tmp_path: Path) -> None:
+    # ~30-40 s on 2 busy cores: a 2-rank launch for the sharded save, and os.sync()s.
+    out, work = tmp_path / "scaling.json", tmp_path / "work"
+    work.mkdir()
+    proc = _bench("scaling.py", "--quick", "--markdown", "--json", str(out), "--dir", str(work))
+    doc = json.loads(out.read_text())
+    costs = ["save", "fsynced save", "load", "sharded save", "digest", "export"]
+    costs += ["verify record", "resume"]
+    if doc["meta"]["skipped"]:  # FSDP2 cannot run on CPU with this torch
+        costs.remove("sharded save")
+    rows = doc["rows"]
+    assert [r["cost"] for r in rows] == [c for c in costs for _ in (0, 1)]  # 2 sizes each
+    for small, large in zip(rows[::2], rows[1::2], strict=True):
+        assert 0.5e6 < small["params"] < 1.5e6 and 3e6 < large["params"] < 5e6
+        assert small["growth"] == 1.0
+        assert large["growth"] == pytest.approx(large["ratio"] / small["ratio"])
+    for r in rows:
+        assert len(r["ddpkit_s"]) == len(r["raw_s"]) == 3 and min(r["ddpkit_s"] + r["raw_s"]) > 0
+        assert r["ratio"] == pytest.approx(r["ddpkit_median_s"] / r["raw_median_s"])
+    assert set(doc["over_limit"]) <= set(costs)
+    assert "| cost | params | MB |" in proc.stdout and "| digest | 0.9 M |" in proc.stdout
+    assert list(work.iterdir()) == []  # every temporary folder was deleted
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from ddpkit.checkpoint import (
     load_model_state,
     save_checkpoint,
 )
-from ddpkit.digest import model_digest
+from ddpkit.digest import model_digest, state_digest
 from tests.conftest import ROOT, wait_for_files
 
 CTX = DistContext()
@@ -120,6 +120,33 @@ def test_an_unsafe_pickle_is_refused_and_never_unpickled(
     assert "skipped refused ckpt-000000002.pt: it holds Python objects" in caplog.text
     assert "; resuming from ckpt-000000001.pt" in caplog.text
     assert not marker.exists()
+
+
+def test_one_process_loads_the_file_as_it_reads_it_and_gets_what_torch_load_gets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the digest that other ranks check needs a file's bytes in memory; one process
+    # decodes the file as it reads it (it read all of it, then hashed and decoded the
+    # copy: 3x a torch.load of 400 MB), and gets the same state.
+    import ddpkit.checkpoint as ckpt
+
+    save_checkpoint(_state(1.0), tmp_path, CTX, step=1)
+    path = save_checkpoint(_state(2.0), tmp_path, CTX, step=2)
+    plain = torch.load(path, weights_only=True)
+
+    def whole_file(p: Path) -> bytes:
+        raise AssertionError(f"{p} was read into memory whole")
+
+    monkeypatch.setattr(ckpt, "_read_bytes", whole_file)
+    found = latest_checkpoint(tmp_path, CTX)
+    assert found is not None and found[0] == path
+    for state in (load_checkpoint(path, CTX), found[1]):
+        assert state.keys() == plain.keys() and state_digest(state) == state_digest(plain)
+    # A file that does not load is told as before (from its bytes): see the tests above.
+    monkeypatch.undo()
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"ckpt-000000002.pt is truncated or corrupt \("):
+        load_checkpoint(path, CTX)
 
 
 def test_ddp_prefixed_keys_are_accepted(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,7 +154,7 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ConfigError, match="module level"):
         launch(lambda ctx: 1, nprocs=2)
     with pytest.raises(ConfigError, match="start must be"):
-        launch(_identity, "x", nprocs=2, start="forkserver")  # type: ignore[arg-type]
+        launch(_identity, "x", nprocs=2, start="thread")  # type: ignore[arg-type]
 
 
 _START_SCRIPT = textwrap.dedent(
@@ -224,8 +225,9 @@ def test_workers_are_forked_while_that_is_safe_and_spawned_otherwise(tmp_path: P
     assert out.stdout.splitlines() == [
         f"fork __main__ {threads}",
         f"forced __mp_main__ {threads}",
-        # A thread of the user's may hold a lock that a forked copy never gets back.
-        f"spawn __mp_main__ {threads}",
+        # A thread of the user's may hold a lock that a forked copy never gets back:
+        # forked from a server that has imported torch and started no thread.
+        f"forkserver __mp_main__ {threads}",
     ]
 
 
@@ -417,3 +419,47 @@ def test_under_ddpkit_run_code_after_launch_runs_once(tmp_path: Path) -> None:
     assert [line for line in lines if line.startswith("result")] == ["result (0, 3)"]
     again = [line for line in lines if line.startswith("again:")]
     assert len(again) == 1 and "launch once" in again[0], out.stdout
+
+
+_FORKSERVER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from multiprocessing import forkserver
+    import ddpkit
+
+    def report(ctx):
+        print(f"rank {ctx.rank} sees {os.environ.get('STAGE')}", flush=True)
+        return os.getppid()
+
+    if __name__ == "__main__":
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # no fork
+        os.environ["STAGE"] = "first"
+        server = ddpkit.launch(report, nprocs=2)
+        os.environ["STAGE"] = "second"  # after the server started: still seen
+        out = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT)
+        os.dup2(out, 1)  # redirected after the server started: still followed
+        assert ddpkit.launch(report, nprocs=2) == server
+        print(server, file=sys.stderr)
+    """
+)
+
+
+def test_a_forkserver_worker_gets_the_launchers_environment_and_output_of_the_moment(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(_FORKSERVER_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    # (two processes write to one pipe: their lines may interleave)
+    said = sorted(re.findall(r"rank \d sees \w+", out.stdout))
+    assert said == ["rank 0 sees first", "rank 1 sees first"], out.stdout
+    later = sorted(re.findall(r"rank \d sees \w+", (tmp_path / "out.txt").read_text()))
+    assert later == ["rank 0 sees second", "rank 1 sees second"]
+    server = int(out.stderr.strip().splitlines()[-1])
+    assert wait_gone([server]) == []  # it ends with the process that started it

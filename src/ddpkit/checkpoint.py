@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -440,17 +440,24 @@ _REFUSAL = re.compile(
 _DELETE_IT = "delete it (or move it out of the folder) to resume from the one before"
 
 
+def _file_of(path: Path) -> Path:
+    """The file that holds checkpoint `path`'s pickle (of a sharded one: its `meta.pt`)."""
+    return path / sharded.META if path.is_dir() else path
+
+
 def _read_bytes(path: Path) -> bytes:
-    """The bytes of one checkpoint file (of a sharded checkpoint: its `meta.pt`). One
-    function, so a test can make one rank's read of one file fail or differ (as on a
-    node with a different filesystem)."""
-    return (path / sharded.META if path.is_dir() else path).read_bytes()
+    """The bytes of one checkpoint file (of a sharded checkpoint: its `meta.pt`), for a
+    digest of exactly what is decoded. One function, so a test can make one rank's read
+    of one file fail or differ (as on a node with a different filesystem)."""
+    return _file_of(path).read_bytes()
 
 
-def _decode(data: bytes, path: Path, ctx: DistContext) -> dict[str, Any]:
-    """Unpickle a checkpoint's bytes with `weights_only=True` onto this rank's device."""
+def _decode(data: bytes | BinaryIO, path: Path, ctx: DistContext) -> dict[str, Any]:
+    """Unpickle a checkpoint's bytes (or its open file) with `weights_only=True` onto
+    this rank's device."""
     try:
-        state = torch.load(io.BytesIO(data), map_location=ctx.device, weights_only=True)
+        source = io.BytesIO(data) if isinstance(data, bytes) else data
+        state = torch.load(source, map_location=ctx.device, weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         refusal = _REFUSAL.search(text) if "Weights only load failed" in text else None
@@ -485,13 +492,22 @@ def _corrupt(path: Path, error: str) -> _Unreadable:
     return _Unreadable(f"checkpoint {path} is {detail}", _DELETE_IT, "corrupt", detail)
 
 
-def _load(path: Path, ctx: DistContext) -> tuple[dict[str, Any], str]:
-    """The state in `path` and the sha256 of the bytes it was decoded from (read once).
+def _load(path: Path, ctx: DistContext, *, digest: bool) -> tuple[dict[str, Any], str | None]:
+    """The state in `path` and, with `digest`, the sha256 of the bytes it was decoded
+    from (read once, so that the digest is of exactly what was decoded); without it,
+    None, and the file is decoded as it is read: no copy of its bytes in memory and no
+    hash (with both, a one-process load took 3x a plain torch.load: bench/scaling.py).
     A sharded checkpoint is first checked against its `.metadata`, so that a damaged one
     is skipped as a corrupt file is, not found out by DCP in the middle of a load."""
     problem = sharded.damage(path) if path.is_dir() else None
     if problem is not None:
         raise _corrupt(path, problem)
+    if not digest:
+        try:
+            with _file_of(path).open("rb") as f:
+                return _decode(f, path, ctx), None
+        except (OSError, _Unreadable):
+            pass  # a file that does not load is told by its bytes below, as ever
     try:
         data = _read_bytes(path)
     except FileNotFoundError:
@@ -509,7 +525,7 @@ def _load(path: Path, ctx: DistContext) -> tuple[dict[str, Any], str]:
             "unreadable",
             detail,
         ) from None
-    return _decode(data, path, ctx), hashlib.sha256(data).hexdigest()
+    return _decode(data, path, ctx), hashlib.sha256(data).hexdigest() if digest else None
 
 
 def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str, Any]:
@@ -531,7 +547,7 @@ def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str,
             a weights-only load does not allow) or not a ddpkit checkpoint.
     """
     try:
-        return _load(Path(path), ctx)[0]
+        return _load(Path(path), ctx, digest=False)[0]
     except _Unreadable as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -552,15 +568,16 @@ class Found:
 
 def _newest_readable(
     directory: str | os.PathLike[str], ctx: DistContext
-) -> tuple[Found, str] | None:
-    """This process's pick: the newest checkpoint that loads and its sha256, None when
-    there is none. All of them broken raises."""
+) -> tuple[Found, str | None] | None:
+    """This process's pick: the newest checkpoint that loads and its sha256 (which the
+    other ranks check; None in a one-process job), None when there is none. All of them
+    broken raises."""
     candidates = list_checkpoints(directory)
     broken: list[str] = []
     skipped: list[str] = []
     for path in reversed(candidates):
         try:
-            state, digest = _load(path, ctx)
+            state, digest = _load(path, ctx, digest=ctx.distributed)
         except _Unreadable as exc:
             broken.append(exc.reason)
             skipped.append(f"{exc.kind} {path.name}: {exc.detail}")

@@ -65,7 +65,7 @@ HashStore: Any = dist.HashStore  # type: ignore[attr-defined]
 T = TypeVar("T")
 Backend = Literal["auto", "gloo", "nccl"]
 Init = Literal["tcp", "file"]
-StartMethod = Literal["auto", "fork", "spawn"]
+StartMethod = Literal["auto", "fork", "forkserver", "spawn"]
 
 # torch 2.4 to 2.7 serve the store with libuv, which refuses a socket handed to it
 # (asking first and retrying is not safe: the failed attempt may close the socket).
@@ -137,7 +137,7 @@ _IMPORT_THREADS = _threads()
 def start_method(
     requested: StartMethod = "auto", backend: str = "gloo", *, unimportable: str | None = None
 ) -> str:
-    """How `launch` starts workers: "fork" where that is safe, else "spawn".
+    """How `launch` starts workers: "fork" where that is safe, else "forkserver".
 
     A forked worker starts in milliseconds with torch already imported; a spawned one
     is a new interpreter that imports torch again (about 1.5 s, all ranks at once
@@ -146,7 +146,12 @@ def start_method(
     lock another thread held stays locked in the child (an OpenMP pool after a
     parallel op, a store's server, a logger's thread). Linux only, and CPU jobs only:
     a forked child cannot use CUDA once the parent has initialised it, and counting
-    the GPUs (which `launch` does) already initialises the driver.
+    the GPUs (which `launch` does) already initialises the driver. Elsewhere (GPU
+    jobs, a parent with threads) the workers are forked from a server process that
+    this process starts once, a new single-threaded interpreter that has imported
+    torch and touched no GPU (multiprocessing's "forkserver", with torch preloaded):
+    the first launch pays one import of torch, later ones none. "spawn" starts each
+    worker as a new interpreter, as `mp.spawn` does.
 
     `unimportable` names the function (or what its arguments hold) when it was defined
     in a notebook, `python -c` or a script read from stdin: a spawned worker cannot
@@ -159,13 +164,16 @@ def start_method(
         return _start_for_unimportable(requested, backend, unimportable)
     if requested != "auto":
         return requested
-    if sys.platform != "linux" or backend == "nccl":
-        return "spawn"
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return "spawn"
-    if threading.active_count() > 1 or not 0 < _threads() <= _IMPORT_THREADS:
-        return "spawn"
-    return "fork"
+    unsafe_fork = (
+        sys.platform != "linux"
+        or backend == "nccl"
+        or torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        or threading.active_count() > 1
+        or not 0 < _threads() <= _IMPORT_THREADS
+    )
+    if not unsafe_fork:
+        return "fork"
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 def _start_for_unimportable(requested: StartMethod, backend: str, name: str) -> str:
@@ -216,6 +224,26 @@ class _Spec:
     parent_pid: int  # the launching process: a worker whose parent is another one exits
     forked: bool = False  # the worker is a copy of the parent, not a new interpreter
     inherited_fd: int | None = None  # the parent's listening socket, in a forked worker
+    environ: dict[str, str] | None = None  # the parent's environment, for a forkserver's worker
+    stdio: tuple[_ParentFd, _ParentFd] | None = None  # and its stdout and stderr
+
+
+class _ParentFd:
+    """A file descriptor of the launcher, handed to a worker that another process
+    (the forkserver) starts: the worker's output goes where the launcher's goes now
+    (a terminal, a file, pytest's capture), not where the server's went at its start."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd
+
+        return (_ParentFd._received, (DupFd(self.fd),))  # sent while the worker starts
+
+    @staticmethod
+    def _received(dup: Any) -> _ParentFd:
+        return _ParentFd(dup.detach())
 
 
 def launch(
@@ -282,8 +310,10 @@ def launch(
     """
     if init not in ("tcp", "file"):
         raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
-    if start not in ("auto", "fork", "spawn"):
-        raise ConfigError(f"start must be 'auto', 'fork' or 'spawn' (got {start!r})")
+    if start not in ("auto", "fork", "forkserver", "spawn"):
+        raise ConfigError(
+            f"start must be 'auto', 'fork', 'forkserver' or 'spawn' (got {start!r})"
+        )
     if hang_timeout is None:
         hang_timeout = min(DEFAULT_HANG_TIMEOUT, timeout)
     if not hang_timeout >= 0:
@@ -424,6 +454,10 @@ def _spawn(
     unimportable = _unimportable(fn, args)
     method = start_method(start, backend, unimportable=unimportable)
     mp: Any = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # Read when the server starts (the first launch of this process): its workers
+        # begin with torch and ddpkit imported. No GPU is touched there.
+        mp.set_forkserver_preload(["torch", "ddpkit.launcher"])
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
     # queue), and the store starts serving it once the workers exist.
@@ -445,6 +479,10 @@ def _spawn(
         forked=method == "fork",
         # A forked worker holds a copy of the listening socket: it closes it.
         inherited_fd=listener.fileno() if listener and method == "fork" else None,
+        # The server's workers are copies of the server: of its environment too, as it
+        # was when the first launch started it.
+        environ=dict(os.environ) if method == "forkserver" else None,
+        stdio=(_ParentFd(1), _ParentFd(2)) if method == "forkserver" else None,
     )
     log.debug("starting %d workers with %s", n, method)
     # Python 3.12+ warns at every fork while threads run. "auto" forks then only for a
@@ -783,6 +821,16 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _worker(
     rank: int, spec: _Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 ) -> None:
@@ -792,7 +840,18 @@ def _worker(
         atexit._clear()
         if spec.inherited_fd is not None:
             os.close(spec.inherited_fd)
-    die_with_parent(spec.parent_pid)
+    if spec.environ is None:
+        die_with_parent(spec.parent_pid)
+    else:
+        os.environ.clear()
+        os.environ.update(spec.environ)
+        for target, parent in zip((1, 2), spec.stdio or (), strict=False):
+            os.dup2(parent.fd, target)
+            os.close(parent.fd)
+        # Its parent is the server, which ends when the launcher does.
+        die_with_parent()
+        if not _alive(spec.parent_pid):
+            os._exit(1)
     # A process group of its own, as torchrun gives its workers: a terminal's Ctrl-C
     # reaches the launcher alone, which passes it on once, so a SIGINT that reaches a
     # worker is meant for it.
