@@ -200,7 +200,6 @@ def test_peers_names_the_extra_when_the_peers_are_missing(
     assert peers.parse_args(["--contestants", "hand,ddpkit"]).contestants == ["hand", "ddpkit"]
 
 
-@pytest.mark.slow
 def _bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run a bench script as a user would; it must succeed."""
     cmd = [sys.executable, str(BENCH / script), *args]
@@ -209,6 +208,7 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     args = ["--contestants", "hand,ddpkit", "--workloads", "seed", "--nprocs", "2"]
@@ -224,6 +224,7 @@ def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
     assert "Checks: all contestants ran what they should" in proc.stdout
 
 
+@pytest.mark.slow
 def test_syncbn_cost_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "syncbn.json"
     proc = _bench("syncbn_cost.py", "--rounds", "1", "--out", str(out))

@@ -297,6 +297,7 @@ def test_a_save_never_deletes_a_temporary_file_that_another_process_is_writing(
 # -- another model's checkpoint -------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resuming_another_models_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     folder = tmp_path / "ck"
     seed = ("train", "--example", "seed", "--nproc", "2", "--checkpoint-dir", str(folder))

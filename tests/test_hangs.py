@@ -86,6 +86,7 @@ def _sleep_in_one_call(ctx: DistContext) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_call_that_blocks_without_cpu_longer_than_the_hang_timeout_is_stopped() -> None:
     # The README: a rank parked at one line (no CPU, no reading) is stopped, even in a
     # call that would have returned later; raise hang_timeout above such waits.

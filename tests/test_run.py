@@ -209,6 +209,7 @@ def test_a_node_that_loses_node_0_mid_run_says_so_in_one_line(tmp_path: Path) ->
     assert wait_gone(_pids(tmp_path), within=10) == []
 
 
+@pytest.mark.slow
 def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) -> None:
     script = _script(tmp_path, "hang.py", HANG)
     start = time.monotonic()
@@ -227,6 +228,7 @@ def test_a_collective_under_a_rank_check_is_diagnosed_as_a_hang(tmp_path: Path) 
     assert wait_gone(_pids(tmp_path), within=5) == []
 
 
+@pytest.mark.slow
 def test_a_rank_that_ended_its_script_is_described_as_finished(tmp_path: Path) -> None:
     # It used to be shown "at .../ddpkit/_shim.py:40 in main", where the shim waited.
     script = _script(
@@ -533,6 +535,7 @@ def test_info_describes_this_machine() -> None:
     assert "backends: gloo" in text and "no problems found" in text
 
 
+@pytest.mark.slow
 def test_rank_0_idle_after_launch_while_the_others_ended_is_not_a_hang(tmp_path: Path) -> None:
     # Under `ddpkit run` ranks 1.. end after `launch`; rank 0 then idles (an upload, a
     # wait) longer than --hang-timeout, with no rank in a collective: nothing is stuck.

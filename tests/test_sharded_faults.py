@@ -226,6 +226,7 @@ def test_a_damaged_sharded_checkpoint_is_skipped_as_a_corrupt_file_is(
 
 
 @NEEDS_FSDP
+@pytest.mark.slow
 def test_a_resume_skips_a_damaged_sharded_checkpoint_and_export_refuses_it(
     tmp_path: Path,
 ) -> None:
