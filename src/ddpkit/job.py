@@ -6,10 +6,8 @@ The built-in examples are jobs; so is a user's own job (`ddpkit train --job mod:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, cast
 
 import torch
@@ -21,10 +19,9 @@ from ddpkit.callbacks import Callback
 from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.examples import EXAMPLES, example_module
 from ddpkit.seed import seed_everything
 from ddpkit.trainer import OptimizerFactory, SchedulerFactory, Trainer
-
-EXAMPLES = ("digits", "seed")
 
 
 @dataclass
@@ -108,10 +105,3 @@ def build_job(ctx: DistContext, job: JobRef, config: TrainConfig) -> Job:
     if not isinstance(built, Job):
         raise ConfigError(f"the job's build function returned {type(built).__name__}, not a Job")
     return built
-
-
-def example_module(name: str) -> ModuleType:
-    """The module of a built-in example; it has `build(ctx) -> Job` and `DEFAULTS`."""
-    if name not in EXAMPLES:
-        raise ConfigError(f"unknown example {name!r}: choose one of {', '.join(EXAMPLES)}")
-    return importlib.import_module(f"ddpkit.examples.{name}")

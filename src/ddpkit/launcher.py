@@ -314,9 +314,7 @@ def launch(
     if init not in ("tcp", "file"):
         raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
     if start not in ("auto", "fork", "forkserver", "spawn"):
-        raise ConfigError(
-            f"start must be 'auto', 'fork', 'forkserver' or 'spawn' (got {start!r})"
-        )
+        raise ConfigError(f"start must be 'auto', 'fork', 'forkserver' or 'spawn' (got {start!r})")
     if hang_timeout is None:
         hang_timeout = min(DEFAULT_HANG_TIMEOUT, timeout)
     if not hang_timeout >= 0:

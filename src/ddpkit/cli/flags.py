@@ -82,7 +82,7 @@ def print_job_help(args: argparse.Namespace) -> int:
     argparse prints help while it parses, before it knows which job `--job` names, so
     `-h` only sets a flag and the help is printed here, once the job's DEFAULTS (which
     override TrainConfig's) are known."""
-    from ddpkit.job import example_module
+    from ddpkit.examples import example_module
     from ddpkit.jobspec import load_job
 
     if args.job is not None:  # "" too: it names no job, and load_job says so
@@ -131,7 +131,7 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
     """The job the flags name (an example's name or a MODULE:FUNCTION spec) and its
     TrainConfig: the job's DEFAULTS, then --config's file, then the flags."""
     from ddpkit.cli.config_file import load_config_file, merge_config
-    from ddpkit.job import example_module
+    from ddpkit.examples import example_module
     from ddpkit.jobspec import load_job
 
     # First the flags and the file: a bad one costs no import of the job.

@@ -76,11 +76,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.agent import AgentOptions, run_script
-    from ddpkit.launcher import exit_now
-
     _fill_from_slurm(args)
     command, nproc = _validate(args)
+    from ddpkit.agent import AgentOptions, run_script  # torch: once the flags are good
+    from ddpkit.launcher import exit_now
+
     code = run_script(
         AgentOptions(
             command=command,
@@ -118,13 +118,19 @@ def _fill_from_slurm(args: argparse.Namespace) -> None:
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
-    """The worker command (after the shim) and the processes per node, or ConfigError."""
+    """The worker command (after the shim) and the processes per node, or ConfigError.
+    The flags are checked first: a bad one costs no import of torch."""
+    command = _command(args)
     from ddpkit.launcher import resolve_backend, resolve_nprocs
 
     backend = resolve_backend("auto")
     nproc = resolve_nprocs(args.nproc, backend)
     if backend == "gloo":
         check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
+    return command, nproc
+
+
+def _command(args: argparse.Namespace) -> list[str]:
     if args.nnodes < 1:
         raise ConfigError(f"--nnodes must be >= 1 (got {args.nnodes})")
     if not 0 <= args.node_rank < args.nnodes:
@@ -162,7 +168,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
             found = False
         if not found:
             raise ConfigError(f"no module named {args.module!r}: check the name and sys.path")
-        return ["-m", args.module, *extra], nproc
+        return ["-m", args.module, *extra]
     if not args.script:
         raise ConfigError("nothing to run: pass a script (ddpkit run train.py) or -m MODULE")
     script = Path(args.script)
@@ -179,7 +185,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
             f"script {args.script!r} cannot be read: Permission denied: "
             "check its permissions, or pass a script you can read"
         )
-    return [args.script, *args.args], nproc
+    return [args.script, *args.args]
 
 
 _MAX_PORT = 65535

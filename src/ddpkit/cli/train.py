@@ -71,15 +71,15 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # torch is imported here, not at module level, so `ddpkit --help` stays fast.
-    from ddpkit.checkpoint import check_writable, find_checkpoint
-    from ddpkit.context import DistContext
-    from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
-
     if args.job_help:
         return print_job_help(args)
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
     job_name, config = job_and_config(args)
+    # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
+    from ddpkit.checkpoint import check_writable, find_checkpoint
+    from ddpkit.context import DistContext
+    from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
+
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)
     # Check what can be checked before any process starts, so bad input costs nothing.
