@@ -61,6 +61,7 @@ from typing import Any
 import torch
 from machine import BUSY_LIMIT, add_settle_args, measured, warn_if_contended
 from peers import choose, throughput_launch
+from tables import format_table
 from tutorial import WORKLOADS, Workload, threads_for
 
 import ddpkit
@@ -210,22 +211,7 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
         ]
         for r in rows
     ]
-    if markdown:
-        lines = [
-            "| " + " | ".join(head) + " |",
-            "|" + "|".join(["---"] + ["--:"] * (len(head) - 1)) + "|",
-        ]
-        lines += ["| " + " | ".join(row) + " |" for row in body]
-        return "\n".join(lines)
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-
-    def fmt(row: list[str]) -> str:
-        return "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-
-    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, body)])
+    return format_table(head, body, markdown)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

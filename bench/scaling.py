@@ -77,6 +77,7 @@ from typing import Any, cast
 
 import torch
 from machine import LoadMeter, _machine_busy_s, _own_busy_s
+from tables import format_table
 from torch import nn
 from tutorial import threads_for
 
@@ -526,21 +527,7 @@ def table(rows: list[dict[str, Any]], markdown: bool) -> str:
         ]
         for r in rows
     ]
-    if markdown:
-        lines = [
-            "| " + " | ".join(head) + " |",
-            "|" + "|".join(["---"] + ["--:"] * (len(head) - 1)) + "|",
-        ]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
-
-    def fmt(row: list[str]) -> str:
-        return "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-
-    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, body)])
+    return format_table(head, body, markdown)
 
 
 def _line(r: dict[str, Any]) -> str:
