@@ -149,3 +149,9 @@ def test_a_notebook_after_cuda_was_initialised_is_one_clear_line(
     assert "restart the kernel" in message and "move 'f' into a .py file" in message
     with pytest.raises(ConfigError, match="forked ones cannot use CUDA"):
         start_method("auto", "nccl", unimportable="f")
+
+
+def test_a_forkserver_asked_for_by_name_refuses_a_notebooks_function() -> None:
+    # Its workers, like spawned ones, import `fn` from a file; one from a cell has none.
+    with pytest.raises(ConfigError, match="^forkserver workers cannot run 'f' from a notebook"):
+        start_method("forkserver", "gloo", unimportable="f")

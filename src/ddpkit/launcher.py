@@ -177,9 +177,10 @@ def start_method(
 
 
 def _start_for_unimportable(requested: StartMethod, backend: str, name: str) -> str:
-    if requested == "spawn":
+    if requested in ("spawn", "forkserver"):
         raise ConfigError(
-            f"spawned workers cannot run {name!r} from a notebook, python -c or stdin: "
+            f"{'spawned' if requested == 'spawn' else 'forkserver'} workers cannot run "
+            f"{name!r} from a notebook, python -c or stdin: "
             "they cannot import what is defined there: pass start='auto' to fork them "
             f"(Linux, CPU jobs), or move {name!r} into a .py file and import it"
         )
