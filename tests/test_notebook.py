@@ -153,5 +153,5 @@ def test_a_notebook_after_cuda_was_initialised_is_one_clear_line(
 
 def test_a_forkserver_asked_for_by_name_refuses_a_notebooks_function() -> None:
     # Its workers, like spawned ones, import `fn` from a file; one from a cell has none.
-    with pytest.raises(ConfigError, match="^forkserver workers cannot run 'f' from a notebook"):
+    with pytest.raises(ConfigError, match=r"^forkserver workers cannot run 'f' from a notebook"):
         start_method("forkserver", "gloo", unimportable="f")

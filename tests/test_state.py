@@ -362,3 +362,24 @@ def test_a_hand_loop_resumed_on_another_world_size_trains_each_sample_once(
         launch(_hand_loop_recording, folder, record, 3, nprocs=before)
     launch(_hand_loop_recording, folder, record + "-resumed", None, nprocs=after)
     assert _trained(tmp_path) == [list(range(40)), list(range(40))]
+
+
+def _bytes_read() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def test_one_process_reads_a_named_state_file_once(tmp_path: Path) -> None:
+    # Hashing the file after loading it (for ranks that compare what they read) read
+    # it twice in one process, where there is no one to compare with.
+    ctx = DistContext.single("cpu")
+    model = nn.Linear(512, 1024)  # 2 MB of weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_state(tmp_path, ctx, model=model, optimizer=optimizer, epoch=0, step=0)
+    (saved,) = list_checkpoints(tmp_path)
+    size = saved.stat().st_size
+    before = _bytes_read()
+    load_state(saved, ctx, model=model, optimizer=optimizer)
+    assert _bytes_read() - before < 1.5 * size
