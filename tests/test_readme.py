@@ -105,7 +105,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     install, tests = SHELL[0], SHELL[1]
     assert "ddpkit train" in install.body
     command = tests.body.strip()
-    assert command.endswith("-m pytest -m \"not slow\""), command
+    assert command.endswith('-m pytest -m "not slow"'), command
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
