@@ -183,6 +183,7 @@ def _stream_batches(ctx: DistContext) -> list[Any]:
     return everyone
 
 
+@pytest.mark.slow  # 3 loaders with workers: each rank starts them anew (3-5 s each)
 def test_a_dataloader_over_a_stream_is_dealt_out_to_the_ranks_by_batch() -> None:
     ranks = launch(_stream_batches, nprocs=2)
     for case, (n, _, workers, by_worker) in enumerate(_STREAMS):

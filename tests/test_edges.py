@@ -258,7 +258,7 @@ def _noisy_fit(ctx: DistContext, folder: str, workers: int, stop_at: int | None)
     return _all_ranks(ctx, {**_state(trainer), "fetched": _Noisy.fetched})
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_mid_epoch_resume_is_exact_with_random_getitem(tmp_path: Path, workers: int) -> None:
     straight = launch(_noisy_fit, str(tmp_path / "a"), workers, None, nprocs=2)
     # 32 samples per rank: 8 batches per epoch; stop after step 5 of epoch 1.

@@ -464,20 +464,3 @@ def test_a_forkserver_worker_gets_the_launchers_environment_and_output_of_the_mo
     assert later == ["rank 0 sees second", "rank 1 sees second"]
     server = int(out.stderr.strip().splitlines()[-1])
     assert wait_gone([server]) == []  # it ends with the process that started it
-
-
-def _default_start(ctx: DistContext) -> str:
-    import multiprocessing
-
-    return multiprocessing.get_start_method()
-
-
-@pytest.mark.parametrize("start", ["spawn", "forkserver"])
-def test_a_workers_dataloader_workers_start_as_the_launchers_would(start: str) -> None:
-    # A rank started by spawn (or by a forkserver) took that method as its default, so
-    # each DataLoader iterator started its workers as new interpreters that import
-    # torch: 3-5 s per loader and epoch, against 0.1 s when they fork.
-    import multiprocessing
-
-    ours = multiprocessing.get_start_method()
-    assert launch(_default_start, nprocs=2, start=start) == ours  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -35,6 +36,7 @@ def _draws(ctx: DistContext) -> list[Any]:
     return [draw for rank in ranks for draw in rank]
 
 
+@pytest.mark.slow
 def test_no_two_samples_of_any_rank_or_epoch_draw_the_same_noise() -> None:
     draws = launch(_draws, nprocs=2)
     assert len(draws) == 2 * 16  # each rank 8 samples a epoch, 2 epochs

@@ -227,9 +227,6 @@ class _Spec:
     inherited_fd: int | None = None  # the parent's listening socket, in a forked worker
     environ: dict[str, str] | None = None  # the parent's environment, for a forkserver's worker
     stdio: tuple[_ParentFd, _ParentFd] | None = None  # and its stdout and stderr
-    # The launcher's default start method (None: Python's), for the processes a worker
-    # starts itself (a DataLoader's workers)
-    default_start: str | None = None
 
 
 class _ParentFd:
@@ -484,7 +481,6 @@ def _spawn(
         # The server's workers are copies of the server: of its environment too, as it
         # was when the first launch started it.
         environ=dict(os.environ) if method == "forkserver" else None,
-        default_start=multiprocessing.get_start_method(allow_none=True),
         stdio=(_ParentFd(1), _ParentFd(2)) if method == "forkserver" else None,
     )
     log.debug("starting %d workers with %s", n, method)
@@ -843,12 +839,6 @@ def _worker(
         atexit._clear()
         if spec.inherited_fd is not None:
             os.close(spec.inherited_fd)
-    if not spec.forked:
-        # A spawned or forkserver worker inherits the method that started it as its
-        # default, so a DataLoader's workers would each start a new interpreter that
-        # imports torch again (3-5 s per loader): they fork, as under the launcher or
-        # torchrun.
-        multiprocessing.set_start_method(spec.default_start, force=True)
     if spec.environ is None:
         die_with_parent(spec.parent_pid)
     else:
