@@ -125,9 +125,9 @@ def _fsdp_one_rank_goes_on(ctx: DistContext, how: str) -> None:
 @pytest.mark.parametrize(
     ("how", "collective"),
     [
-        ("forward", "all_gather_(single|into_tensor)"),
+        pytest.param("forward", "all_gather_(single|into_tensor)", marks=pytest.mark.slow),
         ("unshard", "all_gather_(single|into_tensor)"),  # async_op=True, then wait()
-        ("backward", "reduce_scatter_(single|tensor)"),
+        pytest.param("backward", "reduce_scatter_(single|tensor)", marks=pytest.mark.slow),
     ],
 )
 def test_a_rank_waiting_in_an_fsdp_collective_is_seen_there(how: str, collective: str) -> None:
