@@ -427,15 +427,17 @@ def test_under_ddpkit_run_code_after_launch_runs_once(tmp_path: Path) -> None:
 
 _FORKSERVER_SCRIPT = textwrap.dedent(
     """
-    import os, sys, threading, time
+    import multiprocessing, os, sys, threading, time
     from multiprocessing import forkserver
     import ddpkit
 
     def report(ctx):
-        print(f"rank {ctx.rank} sees {os.environ.get('STAGE')}", flush=True)
+        preloaded = "colorsys" in sys.modules  # the program's own preload is kept
+        print(f"rank {ctx.rank} sees {os.environ.get('STAGE')} {preloaded}", flush=True)
         return os.getppid()
 
     if __name__ == "__main__":
+        multiprocessing.set_forkserver_preload(["colorsys"])
         threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # no fork
         os.environ["STAGE"] = "first"
         server = ddpkit.launch(report, nprocs=2)
@@ -461,8 +463,8 @@ def test_a_forkserver_worker_gets_the_launchers_environment_and_output_of_the_mo
     )
     assert out.returncode == 0, out.stderr
     # (two processes write to one pipe: their lines may interleave)
-    said = sorted(re.findall(r"rank \d sees (?:first|second)", out.stdout))
-    assert said == ["rank 0 sees first", "rank 1 sees first"], out.stdout
+    said = sorted(re.findall(r"rank \d sees (?:first|second) (?:True|False)", out.stdout))
+    assert said == ["rank 0 sees first True", "rank 1 sees first True"], out.stdout
     later = sorted(re.findall(r"rank \d sees (?:first|second)", (tmp_path / "out.txt").read_text()))
     assert later == ["rank 0 sees second", "rank 1 sees second"]
     server = int(out.stderr.strip().splitlines()[-1])

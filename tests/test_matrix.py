@@ -21,9 +21,9 @@ of the interrupted epoch exactly once.
 A cell that ddpkit refuses by design (one ConfigError line before training) is held
 when the refusal says why: `REFUSED` lists them, for the README.
 
-Cost, measured on 2 shared cores (load average 6) with today's defects (a hang costs up
-to `HANG_TIMEOUT` or `COLLECTIVE_TIMEOUT`): without the slow ones (`FAST`: the ddp
-column and its resume 2 -> 1; 15 tests) 28 s; the whole file (66 tests) 2 min 40 s.
+Cost on 2 idle cores: without the slow ones (`FAST`: the ddp column and its resume
+2 -> 1; 15 tests) about 10 s after the server's start, about 0.5 s a cell; a hang costs
+up to `HANG_TIMEOUT` or `COLLECTIVE_TIMEOUT`.
 
 Every run happens in a child forked from a fresh server process (`in_child`, the
 forkserver start with torch preloaded), never from the test process itself: other tests

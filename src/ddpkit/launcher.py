@@ -14,6 +14,7 @@ import io
 import logging
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import shutil
@@ -454,9 +455,7 @@ def _spawn(
     method = start_method(start, backend, unimportable=unimportable)
     mp: Any = multiprocessing.get_context(method)
     if method == "forkserver":
-        # Read when the server starts (the first launch of this process): its workers
-        # begin with torch and ddpkit imported. No GPU is touched there.
-        mp.set_forkserver_preload(["torch", "ddpkit.launcher"])
+        _preload_in_forkserver(["torch", "ddpkit.launcher"])
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
     # queue), and the store starts serving it once the workers exist.
@@ -531,6 +530,20 @@ def _spawn(
         if listener is not None:
             listener.close()
         del store
+
+
+def _preload_in_forkserver(modules: list[str]) -> None:
+    """Have multiprocessing's forkserver import `modules` when it starts (the first
+    forkserver launch of this process), so that its workers begin with torch and ddpkit
+    imported. No GPU is touched there.
+
+    `set_forkserver_preload` replaces the whole list, and the server is one per process:
+    the modules the program asked for itself are kept. Its `__main__` is not: the
+    server would run the script's top level, which may touch a GPU.
+    """
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    asked = [m for m in getattr(server, "_preload_modules", []) if m != "__main__"]
+    multiprocessing.set_forkserver_preload(asked + [m for m in modules if m not in asked])
 
 
 def _check_picklable(fn: Callable[..., Any]) -> None:
