@@ -56,6 +56,7 @@ from ddpkit.preemption import (
     restore_handlers,
 )
 from ddpkit.scratch import scratch_dir
+from ddpkit.versions import release
 
 log = logging.getLogger("ddpkit")
 
@@ -70,7 +71,7 @@ StartMethod = Literal["auto", "fork", "forkserver", "spawn"]
 
 # torch 2.4 to 2.7 serve the store with libuv, which refuses a socket handed to it
 # (asking first and retrying is not safe: the failed attempt may close the socket).
-_LIBUV_REFUSES_SOCKETS = (2, 4) <= tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8)
+_LIBUV_REFUSES_SOCKETS = (2, 4) <= release(torch.__version__) < (2, 8)
 
 # Seconds a worker gets to exit after SIGTERM before it is killed.
 _GRACE_S = 3.0

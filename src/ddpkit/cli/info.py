@@ -10,6 +10,8 @@ import platform
 import socket
 from typing import Any
 
+from ddpkit.versions import release
+
 HELP = "show what this machine offers for distributed training (devices, backends, problems)"
 # The torch releases CI tests: the oldest that pyproject.toml admits, and the newest tried.
 TORCH_TESTED = ((2, 6), (2, 15))
@@ -25,8 +27,7 @@ def add_parser(sub: Any) -> None:
 
 def torch_problem(version: str) -> str | None:
     """Why torch `version` ("2.6.0+cu124") may not work with ddpkit, or None."""
-    release = tuple(int(part) for part in version.split("+")[0].split(".")[:2])
-    if TORCH_TESTED[0] <= release <= TORCH_TESTED[1]:
+    if TORCH_TESTED[0] <= release(version) <= TORCH_TESTED[1]:
         return None
     low, high = (".".join(map(str, v)) for v in TORCH_TESTED)
     return (
