@@ -8,19 +8,24 @@ for one model at two sizes (by default 25 M and 100 M float32 parameters, 100 an
 byte of the model against what a user would write by hand:
 
 - `save`: `ddpkit.save_checkpoint({"model", "optimizer"}, ...)` (Trainer's and
-  `save_state`'s writer: temporary file, fsync, rename) vs `torch.save` of the same
-  dict to the same disk; `fsynced save`: the same against `torch.save` and an
-  `os.fsync` of the file, which is what makes ddpkit's checkpoint survive a crash.
+  `save_state`'s writer: temporary file, rename, and the fsync on a thread while
+  training goes on) vs `torch.save` of the same dict to the same disk; `fsynced save`:
+  `save_checkpoint` and `wait_for_checkpoints` (until the file is on disk) against
+  `torch.save` and an `os.fsync` of the file, what makes a checkpoint survive a
+  power cut. The flush a save leaves to its thread is waited for after the clock
+  stops, so that it does not slow the next measurement.
 - `load`: `ddpkit.load_checkpoint` vs `torch.load(weights_only=True)` of that file.
 - `sharded save`: the DCP path of strategy "fsdp" (`save_checkpoint(..., shards=...)`,
   2 gloo ranks of FSDP2, one thread each) vs `torch.distributed.checkpoint.save` of the
   same state dict; skipped where FSDP2 cannot run on CPU (torch < 2.7).
 - `digest`: `ddpkit.model_digest` vs sha256 over each tensor's `numpy().tobytes()`.
-- `export`: `ddpkit export CKPT OUT.pt` (its function, in this process) vs
-  `torch.load` of the checkpoint and `torch.save` of its model.
-- `verify record`: what `ddpkit verify` records per rank after every step (a CPU
-  copy of the state dict, a digest per parameter to compare ranks, and rank 0's
-  `torch.save` of the copy) vs a `clone()` of each tensor and a `torch.save`.
+- `export`: `ddpkit export CKPT OUT.pt` (its function, in this process: a temporary
+  file and a rename, no fsync) vs `torch.load` of the checkpoint and `torch.save` of
+  its model.
+- `verify record`: what `ddpkit verify` records on rank 0 after every step (a CPU
+  copy of the state dict, and a digest per parameter to compare ranks, hashed on a
+  thread while it `torch.save`s the copy) vs a `clone()` of each tensor and a
+  `torch.save`.
 - `resume`: a `Trainer` with `resume=True` from `fit()` to its first step (lock,
   choose the newest checkpoint, load it into model and optimizer) vs `torch.load` +
   `load_state_dict` by hand.
@@ -145,6 +150,7 @@ def measure(prepare: Prepare, base: Path | None) -> tuple[float, float]:
         start, cpu = time.perf_counter(), time.process_time()
         result = action()
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        ddpkit.wait_for_checkpoints()  # a save's flush, left to its thread: untimed
         del result, action
     return elapsed, cpu
 
@@ -220,6 +226,13 @@ def one_process_costs(model: nn.Module, inputs: Path, ctx: DistContext) -> list[
 
     def ddpkit_save(folder: Path) -> Callable[[], object]:
         return lambda: save_checkpoint(state, folder, ctx, step=1)
+
+    def durable_save(folder: Path) -> Callable[[], object]:
+        def run() -> None:
+            save_checkpoint(state, folder, ctx, step=1)
+            ddpkit.wait_for_checkpoints()
+
+        return run
 
     def raw_save(folder: Path) -> Callable[[], object]:
         return lambda: torch.save(state, folder / "ckpt.pt")
@@ -310,7 +323,7 @@ def one_process_costs(model: nn.Module, inputs: Path, ctx: DistContext) -> list[
 
     return [
         Cost("save", ddpkit_save, raw_save),
-        Cost("fsynced save", ddpkit_save, fsynced_save),
+        Cost("fsynced save", durable_save, fsynced_save),
         Cost("load", ddpkit_load, raw_load),
         Cost("digest", ddpkit_digest, raw_digest),
         Cost("export", ddpkit_export, raw_export),

@@ -10,6 +10,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from ddpkit.checkpoint import (
     load_checkpoint,
     load_model_state,
     save_checkpoint,
+    wait_for_checkpoints,
 )
 from ddpkit.digest import model_digest, state_digest
 from tests.conftest import ROOT, wait_for_files
@@ -53,6 +55,7 @@ def test_save_and_load_round_trip_with_rng_and_mode(tmp_path: Path) -> None:
 def test_keep_last_prunes_the_oldest(tmp_path: Path) -> None:
     for step in range(1, 6):
         save_checkpoint(_state(step), tmp_path, CTX, step=step, keep_last=2)
+    wait_for_checkpoints()  # the older ones go once the newest is on disk
     assert [p.name for p in list_checkpoints(tmp_path)] == [
         "ckpt-000000004.pt",
         "ckpt-000000005.pt",
@@ -227,6 +230,107 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_intact(
     # the next save clears the half-written temporary file
     save_checkpoint(_state(3.0), folder, CTX, step=3)
     assert not list(folder.glob(".*.tmp"))
+
+
+# -- the flush to disk runs beside training -------------------------------------------
+class _HeldFsync:
+    """os.fsync held until `go` is set (a slow disk), or failing with `error`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, error: int | None = None) -> None:
+        self.go, self.error, self.files = threading.Event(), error, 0
+        self.real = os.fsync
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        if not self.go.wait(timeout=30):
+            raise AssertionError("fsync was held for 30 s")
+        if self.error is not None:
+            raise OSError(self.error, os.strerror(self.error))
+        self.files += 1
+        self.real(fd)
+
+
+def test_save_returns_before_the_disk_flush_and_prunes_only_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_checkpoint(_state(1.0), tmp_path, CTX, step=1, keep_last=1)
+    wait_for_checkpoints()
+    fsync = _HeldFsync(monkeypatch)
+    path = save_checkpoint(_state(2.0), tmp_path, CTX, step=2, keep_last=1)  # not held up
+    # Whole under its name already, and the one it outdates is kept until it is on disk.
+    assert torch.equal(load_checkpoint(path, CTX)["model"]["w"], torch.full((3,), 2.0))
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "ckpt-000000001.pt",
+        "ckpt-000000002.pt",
+    ]
+    fsync.go.set()
+    wait_for_checkpoints()
+    assert fsync.files == 2  # the file, then its folder
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt-000000002.pt"]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_failed_flush_keeps_the_older_checkpoint_and_is_raised_by_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    save_checkpoint(_state(1.0), tmp_path, CTX, step=1, keep_last=1)
+    wait_for_checkpoints()
+    fsync = _HeldFsync(monkeypatch, error=errno.EIO)
+    fsync.go.set()
+    save_checkpoint(_state(2.0), tmp_path, CTX, step=2, keep_last=1)
+    with pytest.raises(
+        CheckpointError,
+        match=r"ckpt-000000002.pt may not be on disk .*"
+        r"ckpt-000000001.pt kept",
+    ):
+        save_checkpoint(_state(3.0), tmp_path, CTX, step=3, keep_last=1)
+    assert "ckpt-000000001.pt" in [p.name for p in list_checkpoints(tmp_path)]
+    wait_for_checkpoints()  # said once
+
+
+_EXITS_WHILE_FLUSHING = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from pathlib import Path
+    import ddpkit
+    from ddpkit.checkpoint import save_checkpoint
+
+    folder, how = Path(sys.argv[1]), sys.argv[2]
+    real = os.fsync
+    def slow_fsync(fd):
+        time.sleep(1.0)  # a slow disk: the process is done before the flush
+        real(fd)
+        with open(folder / "flushed", "a") as f:
+            f.write("x")
+    os.fsync = slow_fsync
+
+    def job(ctx):
+        state = {"model": {"w": torch.ones(3)}}
+        save_checkpoint(state, folder / "ckpts", ctx, step=1)
+
+    if how == "launch":
+        ddpkit.launch(job, nprocs=1)
+    else:
+        job(ddpkit.DistContext())
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["plain", "launch"])
+def test_a_process_that_ends_right_after_a_save_waits_for_its_flush(
+    tmp_path: Path, how: str
+) -> None:
+    script = tmp_path / "saver.py"
+    script.write_text(_EXITS_WHILE_FLUSHING)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), how],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "flushed").read_text() == "xx"  # the file and its folder
 
 
 def test_atomic_save_failure_leaves_no_temporary(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ _EXPORTS = {
     "save_checkpoint": "ddpkit.checkpoint",
     "load_checkpoint": "ddpkit.checkpoint",
     "latest_checkpoint": "ddpkit.checkpoint",
+    "wait_for_checkpoints": "ddpkit.checkpoint",
     "save_state": "ddpkit.state",
     "load_state": "ddpkit.state",
     "model_digest": "ddpkit.digest",
@@ -104,11 +105,17 @@ __all__ = [
     "seed_everything",
     "unwrap",
     "verify",
+    "wait_for_checkpoints",
 ]
 
 if TYPE_CHECKING:
     from ddpkit.callbacks import Callback, EarlyStopping
-    from ddpkit.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from ddpkit.checkpoint import (
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+        wait_for_checkpoints,
+    )
     from ddpkit.config import TrainConfig
     from ddpkit.context import DistContext
     from ddpkit.data import prepare_loader

@@ -2,10 +2,12 @@
 
 A checkpoint is one file `ckpt-<global step>.pt` holding the unwrapped model state,
 optimizer/scheduler/scaler state, the next epoch, the global step, the config and
-every rank's RNG state. A write goes to a temporary file in the same folder, is
-flushed to disk and then renamed, so a crash mid-save leaves the previous checkpoint
-intact; the checkpoints it outdates leave their names by a rename before the new one
-gets its name, so a kill never leaves more than `keep_last` of them, nor a damaged one.
+every rank's RNG state. A write goes to a temporary file in the same folder and is
+then renamed, so a crash mid-save leaves the previous checkpoint intact. Training goes
+on while a thread flushes the new file to disk (fsync); only then are the checkpoints
+it outdates deleted, so that even a power cut finds one that is whole (a kill in that
+second may leave one more than `keep_last`; the next save removes it). The next save,
+the end of `Trainer.fit` and the process's exit wait for that flush.
 Loading uses `weights_only=True` (no arbitrary code from a pickle: a file that holds other
 Python objects is refused, never unpickled) and maps tensors onto the loading
 rank's own device. On resume, rank 0 alone chooses the checkpoint and every rank loads
@@ -29,7 +31,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,7 @@ from ddpkit.errors import CheckpointError
 from ddpkit.model import strip_prefixes, unwrap
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
+    PENDING,
     FolderLock,
     delete,
     holds_lock,
@@ -90,14 +93,17 @@ def check_writable(directory: str | os.PathLike[str]) -> Path:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file beside `path`, fsync, then rename over `path`.
+    """torch.save to a temporary file beside `path`, then rename it over `path`: a crash
+    never leaves a half-written file under the name. Like torch.save, it leaves the
+    flush to disk to the system (no fsync): for a file made from a checkpoint, which
+    itself is durable (`ddpkit export`).
 
     Raises:
         CheckpointError: the file could not be written (say the disk is full); the
             temporary file is removed and `path` is left as it was.
     """
     try:
-        _write_atomically(obj, path)
+        _write_atomically(obj, path, sync="never")
     except _WriteFailed as exc:
         raise CheckpointError(f"{exc.what}: {exc.fix}") from None
 
@@ -110,9 +116,21 @@ class _WriteFailed(Exception):
         super().__init__(what)
 
 
-def _write_atomically(obj: Any, path: Path, retire: list[Path] | None = None) -> None:
-    """Write `obj` to `path` by a temporary file and a rename; `retire` (older
-    checkpoints) leave their names just before `path` gets its own (`storage.install`)."""
+Sync = Literal["now", "later", "never"]
+
+
+def _write_atomically(
+    obj: Any, path: Path, retire: list[Path] | None = None, *, sync: Sync = "now"
+) -> None:
+    """Write `obj` to `path` by a temporary file and a rename.
+
+    `sync` "now": the file is on disk (fsync) before it gets its name, and `retire`
+    (older checkpoints) leave their names just before (`storage.install`). "later": it
+    gets its name at once, and a thread makes it durable and only then deletes `retire`
+    (`storage.PENDING`); a file that replaces one of the same name is synced now, as
+    its older bytes are gone with the rename. "never": no fsync (`retire` as "now").
+    """
+    later = sync == "later" and not path.exists()
     me = this_process()
     prefix = f".{path.name}.{me.pid}@{host_token(me.host)}."
     try:
@@ -127,9 +145,14 @@ def _write_atomically(obj: Any, path: Path, retire: list[Path] | None = None) ->
         os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        install(Path(tmp), path, retire or [])
+            if sync != "never" and not later:
+                f.flush()
+                os.fsync(f.fileno())
+        if later:
+            install(Path(tmp), path, [], durable=False)
+            PENDING.later(path, retire or [])
+        else:
+            install(Path(tmp), path, retire or [], durable=sync != "never")
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
         error = os_error_in(exc) if isinstance(exc, Exception) else None
@@ -212,7 +235,9 @@ def save_checkpoint(
     Every rank's RNG state is gathered into the file, so a resumed run draws the same
     random numbers. Rank 0 writes to a temporary file and renames it, so a crash never
     leaves a half-written checkpoint; then all ranks meet at a barrier, so nobody reads
-    or deletes a checkpoint that is still being written.
+    or deletes a checkpoint that is still being written. The file reaches the disk
+    (fsync) on a thread while training goes on; `wait_for_checkpoints()` waits for it,
+    as the next save, `Trainer.fit`'s end and the process's exit do.
 
     Args:
         state: what to save, e.g. `{"model": unwrap(model).state_dict(),
@@ -221,8 +246,7 @@ def save_checkpoint(
         ctx: this rank's `DistContext`.
         step: the number in the file name (an optimizer step or an epoch).
         keep_last: keep only the newest this many checkpoints, this one included (None:
-            keep all); the older ones leave their names before this one gets its own, so
-            even a kill never leaves more.
+            keep all); the older ones are deleted once this one is on disk.
         shards: tensors that every rank writes its own part of (a sharded model's and
             optimizer's state, from `sharded.tensors_of`): the checkpoint is then the
             folder `ckpt-<step>.dcp` (see `ddpkit.sharded`).
@@ -244,6 +268,22 @@ def save_checkpoint(
     return path
 
 
+def wait_for_checkpoints() -> None:
+    """Return once every checkpoint this process saved is on disk.
+
+    `save_checkpoint` returns as soon as the file is whole under its name (a crash of
+    the process can no longer lose it) and flushes it to disk (fsync) on a thread, so
+    the loop does not wait for the disk. The next save, `Trainer.fit`'s end and the
+    process's exit wait for that flush; call this before you copy the folder elsewhere
+    or power the machine off.
+
+    Raises:
+        CheckpointError: a checkpoint could not be flushed to disk (the older ones it
+            would have replaced were kept).
+    """
+    PENDING.wait()
+
+
 def _save_sharded(
     state: dict[str, Any],
     shards: dict[str, Any],
@@ -255,6 +295,7 @@ def _save_sharded(
 ) -> Path:
     path = checkpoint_path(directory, step).with_suffix(sharded.SUFFIX)
     if ctx.is_main:
+        PENDING.wait()
         directory.mkdir(parents=True, exist_ok=True)
         _clear_temporaries(directory)
     tmp = sharded.write_shards(shards, path, ctx)  # every rank its part
@@ -278,8 +319,12 @@ def _write_checkpoint(
     path: Path,
     keep_last: int | None = None,
 ) -> None:
+    PENDING.wait()  # the previous checkpoint on disk, or its failure told (to every rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.parent.name.endswith(".tmp"):  # not inside a sharded checkpoint's folder
+    # Inside a sharded checkpoint's temporary folder, the file must be on disk before
+    # the folder is published; a checkpoint file of its own is made durable meanwhile.
+    inside = path.parent.name.endswith(".tmp")
+    if not inside:
         _clear_temporaries(path.parent)
     payload = {**state, "rng": rngs, "world_size": world_size, "format": FORMAT}
     model = state.get("model")
@@ -288,7 +333,12 @@ def _write_checkpoint(
     me = this_process()
     payload["writer"] = {"command": me.command, "host": me.host, "pid": me.pid, "time": me.since}
     try:
-        _write_atomically(payload, path, _outdated(path.parent, path, keep_last))
+        _write_atomically(
+            payload,
+            path,
+            _outdated(path.parent, path, keep_last),
+            sync="now" if inside else "later",
+        )
     except _WriteFailed as exc:
         # A failed write touches no checkpoint (not even one of the same name).
         before = list_checkpoints(path.parent)

@@ -8,6 +8,7 @@ an error naming the first; a lock left by a job that died on this host is taken 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -20,6 +21,7 @@ import shlex
 import shutil
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -263,7 +265,7 @@ def delete(path: Path) -> None:
             path.unlink()
 
 
-def install(tmp: Path, path: Path, retire: list[Path]) -> None:
+def install(tmp: Path, path: Path, retire: list[Path], *, durable: bool = True) -> None:
     """Give the finished `tmp` the name `path` (in the same folder) and remove `retire`,
     so that at no moment more names are visible than at the end: each of `retire`, and an
     older folder at `path`, is first renamed aside, then `tmp` is renamed in, then the
@@ -286,7 +288,8 @@ def install(tmp: Path, path: Path, retire: list[Path]) -> None:
             with contextlib.suppress(OSError):
                 os.rename(moved, old)
         raise
-    fsync_folder(path.parent)
+    if durable:
+        fsync_folder(path.parent)
     for _, moved in aside:
         delete(moved)
 
@@ -315,6 +318,81 @@ def holds_lock(folder: str | os.PathLike[str]) -> bool:
     except (OSError, CheckpointError):
         return False
     return holder is not None and holder.is_process(this_process())
+
+
+# -- making a write durable off the caller's path -------------------------------------
+class Durability:
+    """Files already under their names whose bytes may still be in memory only.
+
+    `torch.save` returns once the kernel holds the bytes; making them survive a power
+    cut (an fsync) takes as long again on a fast disk, and longer on a network one. The
+    training loop need not wait for that: a checkpoint renamed into place is whole to
+    every reader at once, even if the process is killed, so a thread makes it durable
+    (the file, then its folder) while training goes on, and only then deletes the
+    checkpoints it outdates, so that a power cut before then still finds the older ones.
+
+    One thread at a time: `later` first waits for the previous file. `wait` returns when
+    every file handed over is on disk, and raises a failure once. A process holds one
+    (`PENDING`), waited for at its exit (atexit, which `launch`'s workers run too).
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._failure: str | None = None
+        self._pid = os.getpid()
+        self._waits_at_exit = False
+
+    def later(self, path: Path, retire: list[Path]) -> None:
+        """fsync `path` and its folder on a thread, then delete `retire` (their names
+        first, by one rename each, so that a kill leaves no damaged one visible)."""
+        self.wait()
+        if not self._waits_at_exit:
+            atexit.register(self.wait, quiet=True)
+            self._waits_at_exit = True
+        self._thread = threading.Thread(
+            target=self._finish, args=(path, retire), name="ddpkit-durability"
+        )
+        self._thread.start()
+
+    def _finish(self, path: Path, retire: list[Path]) -> None:
+        try:
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+            fsync_folder(path.parent)
+        except OSError as exc:
+            what, fix = write_failure(exc, path.parent)
+            kept = ", ".join(p.name for p in retire) or "the older checkpoints"
+            self._failure = f"checkpoint {path} may not be on disk ({what}); {kept} kept: {fix}"
+            return
+        for old in retire:
+            with contextlib.suppress(OSError):
+                delete(set_aside(old))
+
+    def wait(self, *, quiet: bool = False) -> None:
+        """Return when every file handed over is on disk.
+
+        Raises:
+            CheckpointError: one could not be made durable (said once; with `quiet`,
+                on stderr instead, for an exit path that already has an error).
+        """
+        if self._pid != os.getpid():  # a forked child: the thread is the parent's
+            self._reset()
+            return
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        failure, self._failure = self._failure, None
+        if failure is None:
+            return
+        if not quiet:
+            raise CheckpointError(failure)
+        print(f"ddpkit: {failure}", file=sys.stderr, flush=True)
+
+
+PENDING = Durability()
 
 
 # -- a write that failed ------------------------------------------------------------

@@ -53,6 +53,7 @@ from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 from ddpkit.sharded import load_shards, tensors_of
+from ddpkit.storage import PENDING
 
 log = logging.getLogger("ddpkit")
 
@@ -255,7 +256,12 @@ class Trainer:
             else lock_folder(self.config.checkpoint_dir, self.ctx)
         )
         try:
-            return self._fit()
+            result = self._fit()
+            PENDING.wait()  # its checkpoints on disk while the folder is still locked
+            return result
+        except BaseException:
+            PENDING.wait(quiet=True)  # the first error stays the one raised
+            raise
         finally:
             if lock is not None:
                 lock.release()
