@@ -144,6 +144,19 @@ class TrainConfig:
     smaller ones start communicating earlier in the backward pass."""
     compile: bool = _opt(False, "torch.compile the model (after the DDP wrap)")
     """Compile the model with torch.compile: a slower start, often a faster step."""
+    deterministic: bool = _opt(
+        False, "deterministic GPU kernels (cuDNN, cuBLAS): bit-exact CUDA runs, often slower"
+    )
+    """Make every run repeat bit-for-bit on CUDA too (CPU runs do already): the Trainer,
+    when it is built, calls `torch.use_deterministic_algorithms(True)`, sets
+    `torch.backends.cudnn.deterministic = True` and `torch.backends.cudnn.benchmark =
+    False` (no autotuning, which may pick another kernel each run), and sets
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8` unless it is set already. Without it, cuDNN's
+    convolution backward and some other CUDA kernels can differ from run to run. An
+    operation with no deterministic version then raises an error naming it. These are
+    settings of the whole process, and stay set after `fit`. cuBLAS reads its variable
+    at its first call in the process: if the GPU ran a matmul before the Trainer was
+    built, export `CUBLAS_WORKSPACE_CONFIG=:4096:8` before starting instead."""
     run_dir: str | None = _opt(
         None, "folder for config.json, metrics.jsonl and the --loggers' files", example="DIR"
     )

@@ -4,6 +4,7 @@ with one object, on GPUs and on CPU."""
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,23 @@ _NAMES = {
 }
 # The autocast dtype of each precision ("32": none), for Precision, Trainer and FSDP.
 DTYPES = {"32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# cuBLAS's deterministic workspace, as torch's reproducibility notes give it.
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def use_deterministic() -> None:
+    """Deterministic kernels from here on, in this whole process (`deterministic=True`).
+
+    cuBLAS reads CUBLAS_WORKSPACE_CONFIG at its first call in the process, so this must
+    run before the first matmul on the GPU; a value already set is kept.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    # Autotuning times several kernels and keeps the fastest, which may differ per run.
+    torch.backends.cudnn.benchmark = False
 
 
 def _autocast_problem(device_type: str, dtype: torch.dtype) -> str | None:

@@ -47,7 +47,7 @@ from ddpkit.errors import CheckpointError, ConfigError, Preempted
 from ddpkit.fsdp import as_sharded, gathered
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, sync_buffers, unwrap
-from ddpkit.precision import DTYPES
+from ddpkit.precision import DTYPES, use_deterministic
 from ddpkit.preemption import StopVote, saving_on_signal
 from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
@@ -145,6 +145,10 @@ class Trainer:
     ) -> None:
         self.ctx = ctx
         self.config = config = config or TrainConfig()
+        # Before anything runs on the device: cuBLAS reads its workspace setting at its
+        # first call, and cuDNN its switches at the first convolution.
+        if config.deterministic:
+            use_deterministic()
         sharded = config.strategy == "fsdp" and ctx.distributed
         if sharded and isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(

@@ -1,0 +1,100 @@
+"""What a GPU run needs, checked on CPU: the determinism switches."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ddpkit import DistContext
+from ddpkit.config import TrainConfig
+from ddpkit.seed import seed_everything
+from ddpkit.trainer import Trainer
+
+
+def _data(n: int = 24, dtype: torch.dtype = torch.float32) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 4, generator=g, dtype=dtype)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+
+
+def _trainer(config: TrainConfig, **kwargs: Any) -> Trainer:
+    seed_everything(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return Trainer(
+        model,
+        opt,
+        _data(),
+        DistContext(),
+        config,
+        loss_fn=nn.functional.mse_loss,
+        log_fn=lambda s: None,
+        **kwargs,
+    )
+
+
+# -- deterministic --------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch_flags() -> Iterator[None]:
+    """Restores the process-wide switches a Trainer may set."""
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
+    yield
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[2], saved[3]
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[4], saved[5]
+    torch.set_float32_matmul_precision(saved[6])
+    if saved[7] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    else:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = saved[7]
+
+
+def test_deterministic_sets_torch_cudnn_and_cublas_switches(
+    torch_flags: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    _trainer(TrainConfig(epochs=1))
+    assert not torch.are_deterministic_algorithms_enabled()  # the default leaves them
+    assert torch.backends.cudnn.benchmark
+    _trainer(TrainConfig(epochs=1, deterministic=True))
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_deterministic_keeps_a_cublas_workspace_the_user_chose(
+    torch_flags: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    _trainer(TrainConfig(epochs=1, deterministic=True))
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_deterministic_is_a_flag_and_off_by_default() -> None:
+    import argparse
+
+    from ddpkit.cli.flags import add_config_flags
+
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser)
+    assert parser.parse_args(["--deterministic"]).deterministic is True
+    assert TrainConfig().deterministic is False
