@@ -1,4 +1,4 @@
-"""What a GPU run needs, checked on CPU: the determinism switches."""
+"""What a GPU run needs, checked on CPU: the determinism and TF32 switches."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _trainer(config: TrainConfig, **kwargs: Any) -> Trainer:
     )
 
 
-# -- deterministic --------------------------------------------------------------------
+# -- deterministic and tf32 -----------------------------------------------------------
 
 
 @pytest.fixture
@@ -89,12 +89,23 @@ def test_deterministic_keeps_a_cublas_workspace_the_user_chose(
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
-def test_deterministic_is_a_flag_and_off_by_default() -> None:
+@pytest.mark.parametrize("tf32", [True, False])
+def test_tf32_sets_both_switches_and_none_leaves_them(torch_flags: None, tf32: bool) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+    _trainer(TrainConfig(epochs=1))  # None: torch's settings stay as they are
+    assert torch.backends.cuda.matmul.allow_tf32 is (not tf32)
+    _trainer(TrainConfig(epochs=1, tf32=tf32))
+    assert torch.backends.cuda.matmul.allow_tf32 is tf32
+    assert torch.backends.cudnn.allow_tf32 is tf32
+
+
+def test_deterministic_and_tf32_are_flags_with_their_defaults() -> None:
     import argparse
 
     from ddpkit.cli.flags import add_config_flags
 
     parser = argparse.ArgumentParser()
     add_config_flags(parser)
-    assert parser.parse_args(["--deterministic"]).deterministic is True
-    assert TrainConfig().deterministic is False
+    args = parser.parse_args(["--deterministic", "--no-tf32"])
+    assert args.deterministic is True and args.tf32 is False
+    assert TrainConfig().tf32 is None and TrainConfig().deterministic is False

@@ -157,6 +157,16 @@ class TrainConfig:
     settings of the whole process, and stay set after `fit`. cuBLAS reads its variable
     at its first call in the process: if the GPU ran a matmul before the Trainer was
     built, export `CUBLAS_WORKSPACE_CONFIG=:4096:8` before starting instead."""
+    tf32: bool | None = _opt(
+        None, "TF32 matmuls and convolutions on NVIDIA GPUs (default: torch's setting)"
+    )
+    """Let float32 matmuls and convolutions on NVIDIA GPUs (Ampere and newer) run in
+    TensorFloat-32: several times faster, with about 3 significant digits in the
+    products. True sets `torch.backends.cuda.matmul.allow_tf32` and
+    `torch.backends.cudnn.allow_tf32`, False clears both, None leaves torch's settings
+    (in torch's default, matmuls without TF32, convolutions with it). A setting of the
+    whole process, made when the Trainer is built; nothing changes on CPU, or under
+    bf16 and fp16 autocast, which compute in their own dtype."""
     run_dir: str | None = _opt(
         None, "folder for config.json, metrics.jsonl and the --loggers' files", example="DIR"
     )

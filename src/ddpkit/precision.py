@@ -46,6 +46,12 @@ def use_deterministic() -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def use_tf32(enabled: bool) -> None:
+    """Allow (or forbid) TensorFloat-32 in float32 matmuls and cuDNN convolutions."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def _autocast_problem(device_type: str, dtype: torch.dtype) -> str | None:
     """Why torch cannot autocast to `dtype` on this kind of device, or None if it can."""
     try:

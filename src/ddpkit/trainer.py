@@ -47,7 +47,7 @@ from ddpkit.errors import CheckpointError, ConfigError, Preempted
 from ddpkit.fsdp import as_sharded, gathered
 from ddpkit.metrics import reduce_sums
 from ddpkit.model import find_ddp, prepare_model, sync_buffers, unwrap
-from ddpkit.precision import DTYPES, use_deterministic
+from ddpkit.precision import DTYPES, use_deterministic, use_tf32
 from ddpkit.preemption import StopVote, saving_on_signal
 from ddpkit.ranks import broadcast_object
 from ddpkit.runlog import RunLog
@@ -149,6 +149,8 @@ class Trainer:
         # first call, and cuDNN its switches at the first convolution.
         if config.deterministic:
             use_deterministic()
+        if config.tf32 is not None:
+            use_tf32(config.tf32)
         sharded = config.strategy == "fsdp" and ctx.distributed
         if sharded and isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
