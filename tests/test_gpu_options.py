@@ -1,4 +1,5 @@
-"""What a GPU run needs, checked on CPU: the determinism and TF32 switches."""
+"""What a GPU run needs, checked on CPU: the determinism and TF32 switches, and one
+autocast context per run."""
 
 from __future__ import annotations
 
@@ -109,3 +110,23 @@ def test_deterministic_and_tf32_are_flags_with_their_defaults() -> None:
     args = parser.parse_args(["--deterministic", "--no-tf32"])
     assert args.deterministic is True and args.tf32 is False
     assert TrainConfig().tf32 is None and TrainConfig().deterministic is False
+
+
+# -- autocast: one context per run ----------------------------------------------------
+
+
+def test_autocast_is_built_once_not_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+    real = torch.autocast
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            built.append(str(args[0]))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", Counting)
+    trainer = _trainer(TrainConfig(epochs=2, batch_size=4, precision="bf16"), eval_set=_data(8))
+    fit = trainer.fit()
+    assert fit.global_step == 12  # 24 samples / 4, twice, plus two evaluations
+    assert len(built) == 1, f"{len(built)} autocast contexts for {fit.global_step} steps"
+    assert not torch.is_autocast_enabled("cpu")  # each step's exit restored it

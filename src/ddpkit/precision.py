@@ -135,6 +135,9 @@ class Precision:
         """
         if self.dtype is None:
             return contextlib.nullcontext()
+        # A new one each call, unlike Trainer's single one: a torch.autocast keeps the
+        # state its exit restores on itself, so one shared context entered twice nested
+        # (a user's loop may) would leave autocast on after both exits.
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -214,6 +214,15 @@ class Trainer:
             )
         )
         self.amp_dtype = DTYPES[config.precision]
+        # One autocast context for the run, entered by every step and evaluation: a
+        # torch.autocast keeps on itself only what its exit restores, so it can be
+        # entered again once left (never nested here), and building one costs a step
+        # about as much as entering it.
+        self._amp: contextlib.AbstractContextManager[Any] = (
+            _NOTHING
+            if self.amp_dtype is None
+            else torch.autocast(ctx.device.type, dtype=self.amp_dtype)
+        )
         self.scaler = torch.amp.GradScaler(ctx.device.type) if config.precision == "fp16" else None
         self.callbacks = list(callbacks)
         if config.early_stopping_patience is not None:
@@ -728,9 +737,7 @@ class Trainer:
         return broadcast_object(names)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.amp_dtype is None:
-            return _NOTHING
-        return torch.autocast(self.ctx.device.type, dtype=self.amp_dtype)
+        return self._amp
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.scaler is not None:
