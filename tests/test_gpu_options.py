@@ -1,5 +1,5 @@
-"""What a GPU run needs, checked on CPU: the determinism and TF32 switches, and one
-autocast context per run."""
+"""What a GPU run needs, checked on CPU: the determinism and TF32 switches, one
+autocast context per run, and torch's SyncBatchNorm for CUDA models."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import TensorDataset
 
 from ddpkit import DistContext
 from ddpkit.config import TrainConfig
 from ddpkit.seed import seed_everything
+from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from ddpkit.trainer import Trainer
 
 
@@ -130,3 +132,36 @@ def test_autocast_is_built_once_not_every_step(monkeypatch: pytest.MonkeyPatch) 
     assert fit.global_step == 12  # 24 samples / 4, twice, plus two evaluations
     assert len(built) == 1, f"{len(built)} autocast contexts for {fit.global_step} steps"
     assert not torch.is_autocast_enabled("cpu")  # each step's exit restored it
+
+
+# -- convert_sync_batchnorm picks the layer for the model's device --------------------
+
+
+def _bn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2))
+
+
+def test_a_cpu_model_gets_ddpkits_syncbatchnorm() -> None:
+    converted, count = convert_sync_batchnorm(_bn())
+    assert count == 1 and type(converted[1]) is SyncBatchNorm
+
+
+def test_a_cuda_device_gets_torchs_syncbatchnorm() -> None:
+    converted, count = convert_sync_batchnorm(_bn(), torch.device("cuda"))
+    assert count == 1 and type(converted[1]) is nn.SyncBatchNorm
+    converted, _ = convert_sync_batchnorm(_bn(), "cuda:1")
+    assert type(converted[1]) is nn.SyncBatchNorm
+    converted, _ = convert_sync_batchnorm(_bn(), "cpu")
+    assert type(converted[1]) is SyncBatchNorm
+
+
+def test_a_model_with_cuda_parameters_gets_torchs_syncbatchnorm() -> None:
+    # A fake tensor says "cuda:0" as a real one would, with no GPU behind it.
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Flatten(0, 0), nn.BatchNorm2d(2, device="cuda"))
+    assert next(model.parameters()).device.type == "cuda"
+    converted, count = convert_sync_batchnorm(model)
+    assert count == 1 and type(converted[1]) is nn.SyncBatchNorm
+    with torch.device("meta"):  # neither CPU nor CUDA: ddpkit's layer, which runs anywhere
+        meta = _bn()
+    assert type(convert_sync_batchnorm(meta)[0][1]) is SyncBatchNorm

@@ -12,6 +12,7 @@ layer: PyTorch's fused kernels on CUDA, this module's `SyncBatchNorm` elsewhere.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -280,17 +281,21 @@ def _as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 def convert_sync_batchnorm(
     module: nn.Module,
-    device_type: str = "cpu",
+    device: str | torch.device | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> tuple[nn.Module, int]:
     """Replace every BatchNorm of `module` with a synchronized one; return (module, count).
 
-    On "cuda" the layers become `torch.nn.SyncBatchNorm` (fused kernels); on any other
-    device type, ddpkit's `SyncBatchNorm`. Parameters and buffers are carried over as the
-    same tensors (like PyTorch's conversion), so values, `requires_grad` and an optimizer
-    built beforehand all stay valid; training mode is kept. Layers that are already
-    synchronized for `device_type` are left alone and not counted. If `module` itself is a
-    BatchNorm, the replacement is returned, so always use the returned module.
+    For a model on a CUDA device the layers become `torch.nn.SyncBatchNorm` (fused
+    kernels); on any other device, ddpkit's `SyncBatchNorm`. `device` ("cuda", "cuda:1",
+    "cpu", a `torch.device`) says which device the model will run on; by default, the
+    device of its parameters (CPU when it has none), so convert after moving the model,
+    or pass the device when converting before. Parameters and buffers are carried over
+    as the same tensors (like PyTorch's conversion), so values, `requires_grad` and an
+    optimizer built beforehand all stay valid; training mode is kept. Layers that are
+    already synchronized for that device are left alone and not counted. If `module`
+    itself is a BatchNorm, the replacement is returned, so always use the returned
+    module.
     """
     for sub in module.modules():
         if (
@@ -303,7 +308,7 @@ def convert_sync_batchnorm(
                 "SyncBatchNorm: run one forward pass (or use BatchNorm*d with num_features) "
                 "before preparing the model"
             )
-    if device_type == "cuda":
+    if _device_type(module, device) == "cuda":
         count = sum(
             1
             for sub in module.modules()
@@ -317,6 +322,16 @@ def convert_sync_batchnorm(
     memo: dict[int, tuple[nn.Module, nn.Module]] = {}
     result = _convert(module, process_group, memo)
     return result, sum(1 for old, new in memo.values() if new is not old)
+
+
+def _device_type(module: nn.Module, device: str | torch.device | None) -> str:
+    """The kind of device ("cuda", "cpu", ...) `module` runs on: `device`'s, else that of
+    its first parameter or buffer, else "cpu"."""
+    if device is not None:
+        return torch.device(device).type
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device.type
+    return "cpu"
 
 
 def _convert(
