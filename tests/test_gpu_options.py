@@ -1,10 +1,11 @@
 """What a GPU run needs, checked on CPU: the determinism and TF32 switches, one
-autocast context per run, and torch's SyncBatchNorm for CUDA models."""
+autocast context per run, evaluation through the compiled model, and torch's
+SyncBatchNorm for CUDA models."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -132,6 +133,31 @@ def test_autocast_is_built_once_not_every_step(monkeypatch: pytest.MonkeyPatch) 
     assert fit.global_step == 12  # 24 samples / 4, twice, plus two evaluations
     assert len(built) == 1, f"{len(built)} autocast contexts for {fit.global_step} steps"
     assert not torch.is_autocast_enabled("cpu")  # each step's exit restored it
+
+
+# -- evaluate with compile=True -------------------------------------------------------
+
+
+def test_evaluate_runs_the_compiled_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    graphs: list[bool] = []  # whether each graph compiled was traced in training mode
+    real_compile = torch.compile
+
+    def eager_backend(gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
+        graphs.append(gm.training)
+        return gm.forward
+
+    def compile_(model: Any, **kwargs: Any) -> Any:
+        return real_compile(model, backend=eager_backend)  # traced by dynamo, run eagerly
+
+    monkeypatch.setattr(torch, "compile", compile_)
+    torch._dynamo.reset()
+    eval_set = _data(8)
+    compiled = _trainer(TrainConfig(epochs=1, compile=True), eval_set=eval_set)
+    plain = _trainer(TrainConfig(epochs=1), eval_set=eval_set)
+    got = compiled.evaluate()
+    assert graphs, "evaluate() ran the uncompiled model"
+    assert got == plain.evaluate()
+    torch._dynamo.reset()
 
 
 # -- convert_sync_batchnorm picks the layer for the model's device --------------------

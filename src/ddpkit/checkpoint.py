@@ -9,8 +9,10 @@ it outdates deleted, so that even a power cut finds one that is whole (a kill in
 second may leave one more than `keep_last`; the next save removes it). The next save,
 the end of `Trainer.fit` and the process's exit wait for that flush.
 Loading uses `weights_only=True` (no arbitrary code from a pickle: a file that holds other
-Python objects is refused, never unpickled) and maps tensors onto the loading
-rank's own device. On resume, rank 0 alone chooses the checkpoint and every rank loads
+Python objects is refused, never unpickled) and maps tensors to the CPU: `load_state_dict`
+copies them onto the model's and optimizer's device (an optimizer's `step` stays on the
+CPU, where foreach Adam wants it), and no GPU holds the whole file with every rank's RNG
+state. On resume, rank 0 alone chooses the checkpoint and every rank loads
 exactly that file (checked by its sha256), or every rank stops with the same error.
 
 A checkpoint also records what wrote it: the command, host and pid, and a fingerprint of
@@ -502,12 +504,16 @@ def _read_bytes(path: Path) -> bytes:
     return _file_of(path).read_bytes()
 
 
-def _decode(data: bytes | BinaryIO, path: Path, ctx: DistContext) -> dict[str, Any]:
-    """Unpickle a checkpoint's bytes (or its open file) with `weights_only=True` onto
-    this rank's device."""
+def _decode(data: bytes | BinaryIO, path: Path) -> dict[str, Any]:
+    """Unpickle a checkpoint's bytes (or its open file) with `weights_only=True`, its
+    tensors on the CPU."""
     try:
         source = io.BytesIO(data) if isinstance(data, bytes) else data
-        state = torch.load(source, map_location=ctx.device, weights_only=True)
+        # The CPU, not the rank's GPU: load_state_dict places each tensor where its
+        # object wants it (Adam's `step` on the CPU: on a GPU, foreach Adam reads it back
+        # with two host syncs per parameter per step), and the GPU never holds the whole
+        # file, every rank's RNG states included.
+        state = torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         refusal = _REFUSAL.search(text) if "Weights only load failed" in text else None
@@ -542,7 +548,7 @@ def _corrupt(path: Path, error: str) -> _Unreadable:
     return _Unreadable(f"checkpoint {path} is {detail}", _DELETE_IT, "corrupt", detail)
 
 
-def _load(path: Path, ctx: DistContext, *, digest: bool) -> tuple[dict[str, Any], str | None]:
+def _load(path: Path, *, digest: bool) -> tuple[dict[str, Any], str | None]:
     """The state in `path` and, with `digest`, the sha256 of the bytes it was decoded
     from (read once, so that the digest is of exactly what was decoded); without it,
     None, and the file is decoded as it is read: no copy of its bytes in memory and no
@@ -555,7 +561,7 @@ def _load(path: Path, ctx: DistContext, *, digest: bool) -> tuple[dict[str, Any]
     if not digest:
         try:
             with _file_of(path).open("rb") as f:
-                return _decode(f, path, ctx), None
+                return _decode(f, path), None
         except (OSError, _Unreadable):
             pass  # a file that does not load is told by its bytes below, as ever
     try:
@@ -575,11 +581,11 @@ def _load(path: Path, ctx: DistContext, *, digest: bool) -> tuple[dict[str, Any]
             "unreadable",
             detail,
         ) from None
-    return _decode(data, path, ctx), hashlib.sha256(data).hexdigest() if digest else None
+    return _decode(data, path), hashlib.sha256(data).hexdigest() if digest else None
 
 
 def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str, Any]:
-    """Load one checkpoint written by `save_checkpoint`, onto this rank's device.
+    """Load one checkpoint written by `save_checkpoint`, its tensors on the CPU.
 
     Only the calling rank reads the file; no collective is involved. The file is read
     with `weights_only=True`, so it cannot run code: a file holding other Python objects
@@ -590,14 +596,15 @@ def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str,
         ctx: this rank's `DistContext`.
 
     Returns:
-        The saved state, with `rng` (every rank's RNG state) and `world_size` added.
+        The saved state, with `rng` (every rank's RNG state) and `world_size` added;
+        its tensors are on the CPU (`load_state_dict` copies them onto the device).
 
     Raises:
         CheckpointError: the file is missing, unreadable, refused (it holds Python objects
             a weights-only load does not allow) or not a ddpkit checkpoint.
     """
     try:
-        return _load(Path(path), ctx, digest=False)[0]
+        return _load(Path(path), digest=False)[0]
     except _Unreadable as exc:
         raise CheckpointError(str(exc)) from None
 
@@ -627,7 +634,7 @@ def _newest_readable(
     skipped: list[str] = []
     for path in reversed(candidates):
         try:
-            state, digest = _load(path, ctx, digest=ctx.distributed)
+            state, digest = _load(path, digest=ctx.distributed)
         except _Unreadable as exc:
             broken.append(exc.reason)
             skipped.append(f"{exc.kind} {path.name}: {exc.detail}")
@@ -646,9 +653,7 @@ def _step_of(path: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _check_same_file(
-    path: Path, digest: str, ctx: DistContext
-) -> tuple[dict[str, Any], str | None]:
+def _check_same_file(path: Path, digest: str) -> tuple[dict[str, Any], str | None]:
     """Load rank 0's choice on this (non-zero) rank: `(state, None)`, or `({}, reason)`."""
     try:
         data = _read_bytes(path)
@@ -666,7 +671,7 @@ def _check_same_file(
             "share one checkpoint folder, and nothing may rewrite it during a resume"
         )
     try:
-        return _decode(data, path, ctx), None
+        return _decode(data, path), None
     except _Unreadable as exc:
         return {}, exc.reason
     except Exception as exc:  # never leave the other ranks waiting in the collective
@@ -751,7 +756,7 @@ def find_checkpoint(directory: str | os.PathLike[str], ctx: DistContext) -> Foun
     path = Path(directory) / Path(chosen).name  # the same path when nodes share the folder
     problem: str | None = None
     if found is None:
-        state, problem = _check_same_file(path, digest, ctx)
+        state, problem = _check_same_file(path, digest)
         found = Found(path, state, skipped)
 
     # Everyone agrees on the outcome, so one rank's failure stops every rank.

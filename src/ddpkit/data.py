@@ -25,9 +25,10 @@ from torch.utils.data import (
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torch.utils.data.distributed import DistributedSampler
 
+from ddpkit.batches import map_tensors
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.seed import rank_seed, set_rng_state
+from ddpkit.seed import rank_seed, rng_state, set_rng_state
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of
 # (seed, rank, epoch) only, so a resumed run sees the same augmentations.
@@ -350,7 +351,9 @@ def prepare_loader(
         drop_last: drop each rank's last incomplete batch.
         sampler: your own sampler, used instead of ddpkit's; it must shard by itself.
         num_workers: data-loading processes per rank; each is seeded reproducibly.
-        pin_memory: pin batches for faster copies to the GPU (default: on GPUs only).
+        pin_memory: pin batches for faster copies to the GPU (default: on GPUs, unless
+            the dataset's first sample is already on a GPU; only CPU tensors can be
+            pinned).
         collate_fn: how samples become a batch (DataLoader's default if None).
         worker_init_fn: called in each worker when it starts (torch has seeded its
             Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
@@ -413,6 +416,7 @@ def prepare_loader(
                 seed=seed,
                 drop_last=drop_last,
             )
+    pin = _pins(dataset, ctx, pin_memory)
     # A plain TensorDataset is fetched a batch at a time (subclasses may override
     # __getitem__, and a collate_fn of the caller's expects single samples).
     if collate_fn is None and type(dataset) is TensorDataset:
@@ -431,7 +435,7 @@ def prepare_loader(
         batch_size=batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        pin_memory=ctx.device.type == "cuda" if pin_memory is None else pin_memory,
+        pin_memory=pin,
         drop_last=drop_last,
         collate_fn=collate_fn,
         worker_init_fn=worker_init_fn,
@@ -441,6 +445,50 @@ def prepare_loader(
     )
     loader.base_seed = seed + ctx.rank
     return loader
+
+
+def _pins(dataset: Dataset[Any], ctx: DistContext, pin_memory: bool | None) -> bool:
+    """Whether the loader pins its batches: as asked, or by default on GPU ranks, unless
+    the samples are already on a GPU (torch's pinning thread would stop the first epoch
+    with "cannot pin 'torch.cuda.FloatTensor'")."""
+    if pin_memory is False or (pin_memory is None and ctx.device.type != "cuda"):
+        return False
+    elsewhere = sorted({str(d) for d in _first_sample_devices(dataset) if d.type != "cpu"})
+    if not elsewhere:
+        return True
+    if pin_memory:
+        raise ConfigError(
+            f"pin_memory=True cannot pin the dataset's samples, which are already on "
+            f"{elsewhere[0]} (only CPU tensors can be pinned): drop pin_memory=True, or "
+            "let the dataset return CPU tensors"
+        )
+    return False
+
+
+def _first_sample_devices(dataset: Dataset[Any]) -> set[torch.device]:
+    """The devices of the tensors in `dataset[0]`, read with every RNG left as it was, so
+    that a random augmentation in `__getitem__` draws in training what it would have
+    drawn anyway. Empty for a stream (reading it would use it up), an empty dataset, and
+    one that `[0]` does not index (its own errors come when the loader reads it)."""
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        return set()
+    if len(dataset) == 0:
+        return set()
+    saved = rng_state()
+    try:
+        sample = dataset[0]
+    except Exception:
+        return set()
+    finally:
+        set_rng_state(saved)
+    devices: set[torch.device] = set()
+
+    def note(tensor: torch.Tensor) -> torch.Tensor:
+        devices.add(tensor.device)
+        return tensor
+
+    map_tensors(sample, note)
+    return devices
 
 
 def _kept_options(

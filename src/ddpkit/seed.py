@@ -38,7 +38,9 @@ def rng_state() -> dict[str, Any]:
     """This process's RNG states, as types that `torch.load(weights_only=True)` accepts."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": list(_py_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own GPU only: every visible GPU's state would be 8 copies on an
+        # 8-GPU node, and could not be restored where fewer GPUs are visible.
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     if "numpy" in sys.modules:
         kind, keys, pos, has_gauss, gauss = sys.modules["numpy"].random.get_state(legacy=True)
         state["numpy"] = [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss)]
@@ -51,12 +53,20 @@ def _py_state() -> tuple[Any, ...]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what `rng_state` captured (tensors may come back on a GPU: move them)."""
+    """Restore what `rng_state` captured; the GPU stream goes to the current device."""
     torch.set_rng_state(state["torch"].cpu())
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if isinstance(cuda, torch.Tensor):
+            torch.cuda.set_rng_state(cuda.cpu())  # onto the current device
+        else:
+            # Older checkpoints hold every visible GPU's state: this rank's device is
+            # its entry, if the saving machine had that many GPUs.
+            index = torch.cuda.current_device()
+            if index < len(cuda):
+                torch.cuda.set_rng_state(cuda[index].cpu(), index)
     if "numpy" in state and "numpy" in sys.modules:
         np = sys.modules["numpy"]
         kind, keys, pos, has_gauss, gauss_ = state["numpy"]

@@ -39,7 +39,8 @@ same bits as a run that was never interrupted::
 Files are `ckpt-<step>.pt`, as `save_checkpoint` writes them (rank 0 writes a temporary
 file, fsyncs and renames it), and `load_state` resumes from the newest one that loads
 (rank 0 chooses; every rank loads that very file). A file that loads is one that a
-weights-only `torch.load` accepts, mapped onto each rank's own device.
+weights-only `torch.load` accepts; it is loaded to the CPU, and each state is copied onto
+the device of the object it is loaded into.
 
 A model sharded with `prepare_model(..., strategy="fsdp")` is saved as `Trainer` saves
 it: a folder `ckpt-<step>.dcp` in which every rank writes its own shards of the model
@@ -62,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ddpkit.batches import to_device
 from ddpkit.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -218,8 +220,8 @@ def load_state(
 
     Returns:
         None when the folder holds no saved state (a first run); else your `extra`
-        with `epoch` (to run), `batch` (of it done), `step` and `path` (the file)
-        added, the same on every rank.
+        (its tensors on this rank's device) with `epoch` (to run), `batch` (of it
+        done), `step` and `path` (the file) added, the same on every rank.
 
     Raises:
         CheckpointError: a named file that is missing or does not load; a folder whose
@@ -272,7 +274,8 @@ def load_state(
         after = f" after batch {batch}" if batch else ""
         log.info("resumed from %s at epoch %d%s (step %d)", where, epoch + 1, after, step)
     return {
-        **(state.get("extra") or {}),
+        # The file is loaded to the CPU; your own tensors come back on this rank's device.
+        **to_device(dict(state.get("extra") or {}), ctx.device),
         "epoch": epoch,
         "batch": batch,
         "step": step,

@@ -176,6 +176,11 @@ class Trainer:
             # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
             # bucket boundaries, so communication still overlaps the backward pass.
             self.model = cast(nn.Module, torch.compile(self.model))
+        # What `evaluate` runs: the bare model (DDP's forward would broadcast buffers at
+        # each batch, and ranks may hold unequal numbers of eval batches), compiled on its
+        # own when training is (lazily: nothing is compiled before the first evaluation).
+        bare = unwrap(self.model)
+        self._eval_model = cast(nn.Module, torch.compile(bare)) if config.compile else bare
         self._ddp = find_ddp(self.model)
         self._sharded = as_sharded(self.model)
         # Checkpoints of strategy "fsdp" are sharded on any number of ranks, so that a
@@ -537,9 +542,9 @@ class Trainer:
         if self.eval_loader is None:
             raise ConfigError("evaluate() needs an eval_set: pass Trainer(..., eval_set=...)")
         sync_buffers(self.model, self.ctx)  # rank 0's BatchNorm statistics on every rank
-        model = unwrap(self.model)  # no DDP forward hooks: nothing to sync in eval
-        was_training = model.training
-        model.eval()
+        bare, model = unwrap(self.model), self._eval_model  # model: compiled with `compile`
+        was_training = bare.training
+        bare.eval()
         device = self.ctx.device
         sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
         count, classify = 0, False
@@ -565,7 +570,7 @@ class Trainer:
                 self._gather_as_often_as_rank_0(model, batches)
         finally:
             self._close_bar()
-        model.train(was_training)
+        bare.train(was_training)
         # Every rank reduces the same names in the same order, even one with no batch.
         names = ["loss", *(self._metric_names(sums)), "accuracy"]
         zero = torch.zeros((), device=device, dtype=torch.float64)

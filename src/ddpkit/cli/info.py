@@ -7,7 +7,9 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
+import subprocess
 from typing import Any
 
 from ddpkit.versions import release
@@ -17,6 +19,9 @@ HELP = "show what this machine offers for distributed training (devices, backend
 TORCH_TESTED = ((2, 6), (2, 15))
 # A GPU with less than this share of its memory free is probably busy with another job.
 _BUSY_FREE_SHARE = 0.5
+# nvidia-smi asks the driver (NVML), which answers in well under a second, unless the
+# driver must first load (no persistence daemon): then a few seconds.
+_SMI_TIMEOUT_S = 10
 
 
 def add_parser(sub: Any) -> None:
@@ -47,18 +52,24 @@ def gather() -> dict[str, Any]:
     problems: list[str] = []
     gpus = []
     if torch.cuda.is_available():
+        # Free memory comes from the driver, not torch.cuda.mem_get_info: that creates a
+        # CUDA context on every GPU (memory taken from other jobs) and fails on a GPU in
+        # exclusive mode that another process holds, which is just what info should find.
+        memory = _driver_memory()
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            free, total = torch.cuda.mem_get_info(i)
+            # torch numbers the visible GPUs, the driver all of them: match by UUID.
+            free_total = memory.get(_uuid_key(str(getattr(props, "uuid", ""))))
             gpus.append(
                 {
                     "index": i,
                     "name": props.name,
-                    "memory_gib": round(total / 2**30, 1),
-                    "free_gib": round(free / 2**30, 1),
+                    "memory_gib": round(props.total_memory / 2**30, 1),
+                    "free_gib": None if free_total is None else round(free_total[0] / 2**30, 1),
                 }
             )
-            if free < _BUSY_FREE_SHARE * total:
+            if free_total is not None and free_total[0] < _BUSY_FREE_SHARE * free_total[1]:
+                free, total = free_total
                 problems.append(
                     f"GPU {i} has only {free / 2**30:.1f} of {total / 2**30:.1f} GiB free: another "
                     "job may be using it (see nvidia-smi), or hide it with CUDA_VISIBLE_DEVICES"
@@ -101,6 +112,61 @@ def gather() -> dict[str, Any]:
     }
 
 
+def _uuid_key(uuid: str) -> str:
+    """A GPU's UUID as torch and the driver both give it ("GPU-" prefix or not)."""
+    uuid = uuid.strip().lower()
+    return uuid.removeprefix("gpu-")
+
+
+def _driver_memory() -> dict[str, tuple[int, int]]:
+    """(free, total) bytes of each GPU by `_uuid_key`, as the driver tells it without a
+    CUDA context: nvidia-smi if it is on PATH, else NVML through pynvml if installed;
+    {} when neither answers (free memory is then unknown)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is not None:
+        memory: dict[str, tuple[int, int]] = {}
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=uuid,memory.total,memory.free", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=_SMI_TIMEOUT_S,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""  # a driver that does not answer: try NVML
+        for line in out.splitlines():
+            fields = [f.strip() for f in line.split(",")]
+            # A GPU the driver cannot read reports "[N/A]" or "[Unknown Error]".
+            if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
+                memory[_uuid_key(fields[0])] = (int(fields[2]) * 2**20, int(fields[1]) * 2**20)
+        if memory:
+            return memory
+    return _nvml_memory()
+
+
+def _nvml_memory() -> dict[str, tuple[int, int]]:
+    try:
+        import pynvml  # type: ignore[import-not-found]  # nvidia-ml-py, not a dependency
+    except ImportError:
+        return {}
+    memory: dict[str, tuple[int, int]] = {}
+    try:
+        pynvml.nvmlInit()
+        try:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)  # bytes in older releases
+                info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                key = _uuid_key(uuid.decode() if isinstance(uuid, bytes) else str(uuid))
+                memory[key] = (int(info.free), int(info.total))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # pynvml.NVMLError and its kin: no driver, a GPU that fell off the bus
+        return memory
+    return memory
+
+
 def run(args: argparse.Namespace) -> int:
     facts = gather()
     if args.json:
@@ -113,10 +179,12 @@ def run(args: argparse.Namespace) -> int:
         )
         if facts["gpus"]:
             for gpu in facts["gpus"]:
-                print(
-                    f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB "
-                    f"({gpu['free_gib']} GiB free)"
+                free = (
+                    "free memory unknown"
+                    if gpu["free_gib"] is None
+                    else f"{gpu['free_gib']} GiB free"
                 )
+                print(f"GPU {gpu['index']}: {gpu['name']}, {gpu['memory_gib']} GiB ({free})")
         else:
             print("GPUs: none visible (ranks run on the CPU with gloo)")
         usable = [name for name, ok in facts["backends"].items() if ok]
