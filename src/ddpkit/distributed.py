@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -13,6 +14,8 @@ import torch.distributed as dist
 from ddpkit.context import DistContext
 from ddpkit.diagnosis.watchdog import expect
 from ddpkit.versions import release
+
+log = logging.getLogger("ddpkit")
 
 
 @contextlib.contextmanager
@@ -47,8 +50,20 @@ _retired: list[Any] = []
 _GLOO_TEARDOWN_RACE = release(torch.__version__) < (2, 8)
 
 
-def destroy_group() -> None:
-    """`dist.destroy_process_group()`, without a deadlock of gloo before torch 2.8.
+def teardown(backend: str, *, failed: bool) -> Literal["abort", "destroy"]:
+    """How a rank leaves its group: "abort" after an error on NCCL, else "destroy".
+
+    After an error a collective may still be pending on the GPU (the peer it waits for
+    is gone): `destroy_process_group` waits for every NCCL kernel, so the rank would
+    hang (under torchrun, for the collective timeout). Aborting the communicators
+    returns at once. gloo's work ends on the CPU with the error: destroying is safe.
+    """
+    return "abort" if failed and "nccl" in backend else "destroy"  # also "cpu:gloo,cuda:nccl"
+
+
+def destroy_group(*, failed: bool = False) -> None:
+    """`dist.destroy_process_group()`, without a deadlock of gloo before torch 2.8, and
+    without the wait for a pending NCCL collective after an error (`failed`).
 
     Freeing a gloo group joins its worker threads while holding the GIL. A worker may
     still be dropping the last collective's tensors, which needs the GIL: both wait
@@ -57,6 +72,12 @@ def destroy_group() -> None:
     the GIL for a moment, so that a worker still waiting for it can finish. Keeping
     the groups alone was not enough: a worker could still be waiting a launch later.
     """
+    if teardown(str(dist.get_backend()), failed=failed) == "abort":
+        try:
+            _abort_group()
+        except Exception as exc:  # the error that brought us here is the one to report
+            log.warning("ddpkit: could not abort the NCCL group after the error: %s", exc)
+        return
     if not _GLOO_TEARDOWN_RACE:
         dist.destroy_process_group()
         return
@@ -67,3 +88,19 @@ def destroy_group() -> None:
     _retired.clear()
     dist.destroy_process_group()
     _retired.extend(groups)
+
+
+def _abort_group() -> None:
+    """Abort every group of this rank at once, with what this torch has."""
+    abort_all = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort_all is not None:
+        # WORLD by name: torch 2.6 takes None for a single group and aborts only it.
+        abort_all(dist.group.WORLD)
+        return
+    world: Any = dist.group.WORLD
+    if hasattr(world, "abort"):
+        world.abort()
+    elif hasattr(world, "_get_backend"):
+        backend = world._get_backend(torch.device("cuda"))
+        if hasattr(backend, "abort"):
+            backend.abort()

@@ -20,12 +20,15 @@ import pickle
 import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 import types
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
+from ddpkit.diagnosis.nccl import TRACE_PREFIX, nccl_watch
 from ddpkit.diagnosis.report import (
     DEFAULT_HANG_TIMEOUT,
     HangJudge,
@@ -91,13 +95,74 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def visible_gpus(value: str) -> int:
+    """GPUs that CUDA_VISIBLE_DEVICES=`value` lets a process use, counted as CUDA does:
+    indices or GPU-/MIG- UUIDs, up to the first entry that is neither (so "-1" hides all)."""
+    count = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        count += 1
+    return count
+
+
+# Set once GPUs had to be counted through the CUDA driver: a forked worker could not
+# use CUDA then.
+_CUDA_DRIVER_USED = False
+
+
+def gpu_count() -> int:
+    """GPUs this process may use, counted without initialising CUDA here.
+
+    `torch.cuda.device_count()` and `is_available()` initialise the CUDA driver when
+    NVML cannot answer, and a parent that did cannot fork GPU workers; the workers
+    also need no context of the parent's on GPU 0. So: NVML, as torch reads it (it
+    honours CUDA_VISIBLE_DEVICES), else CUDA_VISIBLE_DEVICES when set, else
+    `nvidia-smi -L`; the driver only as a last resort (noted, so that no worker is
+    forked after it).
+    """
+    global _CUDA_DRIVER_USED
+    if not torch.backends.cuda.is_built() or torch.version.hip:  # type: ignore[no-untyped-call]
+        return torch.cuda.device_count()  # 0 on a CPU build; ROCm counts its own way
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)
+    try:
+        count = nvml() if nvml is not None else -1
+    except Exception:  # a private helper of torch's: any failure means "NVML cannot say"
+        count = -1
+    if count >= 0:
+        return int(count)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return visible_gpus(visible)
+    count = _nvidia_smi_gpus()
+    if count > 0:
+        return count
+    count = torch.cuda.device_count()
+    # A driver that found no GPU (or none installed) leaves nothing a fork would copy.
+    _CUDA_DRIVER_USED = _CUDA_DRIVER_USED or count > 0
+    return count
+
+
+def _nvidia_smi_gpus() -> int:
+    """GPUs that `nvidia-smi -L` lists; 0 without it or when it fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
 def resolve_backend(backend: str) -> str:
     """`auto` is nccl when a GPU is visible, gloo otherwise; an impossible choice raises."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"backend must be 'auto', 'gloo' or 'nccl' (got {backend!r})")
     if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
+        return "nccl" if gpu_count() > 0 else "gloo"
+    if backend == "nccl" and gpu_count() == 0:
         raise ConfigError(
             "backend 'nccl' needs a CUDA GPU and none is visible: pass backend='gloo'"
         )
@@ -107,16 +172,16 @@ def resolve_backend(backend: str) -> str:
 def resolve_nprocs(nprocs: int | str, backend: str) -> int:
     """torchrun's `auto`: one process per visible GPU, else one per CPU core."""
     if nprocs == "auto":
-        return torch.cuda.device_count() if backend == "nccl" else cpu_count()
+        return gpu_count() if backend == "nccl" else cpu_count()
     if isinstance(nprocs, str) and nprocs.isdigit():
         nprocs = int(nprocs)
     if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
         raise ConfigError(
             f"nprocs must be 'auto' or an integer >= 1 (got {nprocs!r}): pass --nproc 2"
         )
-    if backend == "nccl" and nprocs > torch.cuda.device_count():
+    if backend == "nccl" and nprocs > (gpus := gpu_count()):
         raise ConfigError(
-            f"nprocs={nprocs} but only {torch.cuda.device_count()} GPU(s) are visible: "
+            f"nprocs={nprocs} but only {gpus} GPU(s) are visible: "
             "pass --nproc auto (one process per GPU)"
         )
     return nprocs
@@ -147,8 +212,9 @@ def start_method(
     thread since torch was imported: fork copies the calling thread alone, and a
     lock another thread held stays locked in the child (an OpenMP pool after a
     parallel op, a store's server, a logger's thread). Linux only, and CPU jobs only:
-    a forked child cannot use CUDA once the parent has initialised it, and counting
-    the GPUs (which `launch` does) already initialises the driver. Elsewhere (GPU
+    a forked child cannot use CUDA once the parent has initialised it. `launch` counts
+    the GPUs without CUDA (see `gpu_count`), so its parent stays fit to fork, but GPU
+    jobs keep the forkserver until forked NCCL workers have run on GPUs. Elsewhere (GPU
     jobs, a parent with threads) the workers are forked from a server process that
     this process starts once, a new single-threaded interpreter that has imported
     torch and touched no GPU (multiprocessing's "forkserver", with torch preloaded):
@@ -169,6 +235,7 @@ def start_method(
     unsafe_fork = (
         sys.platform != "linux"
         or backend == "nccl"
+        or _CUDA_DRIVER_USED
         or torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         or threading.active_count() > 1
         or not 0 < _threads() <= _IMPORT_THREADS
@@ -200,7 +267,7 @@ def _start_for_unimportable(requested: StartMethod, backend: str, name: str) -> 
             f"{sys.platform}: spawned workers cannot import it and ddpkit forks only on "
             f"Linux: move {name!r} into a .py file and import it"
         )
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if _CUDA_DRIVER_USED or torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         raise ConfigError(
             "cannot start workers from a notebook after CUDA was initialised in it: restart "
             f"the kernel and call launch before any CUDA use (or move {name!r} into a .py file)"
@@ -229,6 +296,8 @@ class _Spec:
     inherited_fd: int | None = None  # the parent's listening socket, in a forked worker
     environ: dict[str, str] | None = None  # the parent's environment, for a forkserver's worker
     stdio: tuple[_ParentFd, _ParentFd] | None = None  # and its stdout and stderr
+    hang_timeout: float = 0.0  # ddpkit's hang timeout (0: off): NCCL's must be shorter
+    trace_dir: str | None = None  # where NCCL's flight recorder dumps on a timeout
 
 
 class _ParentFd:
@@ -286,7 +355,10 @@ def launch(
         hang_timeout: how long ranks may wait for one that makes no progress before the
             job is stopped and diagnosed, and how often a rank that keeps the others
             waiting while it works is reported (0: never). At most `timeout`; default
-            300 s, or `timeout` if that is shorter.
+            300 s, or `timeout` if that is shorter. On NCCL it also shortens `timeout`
+            to a little less (30 s less, or half of it if that is shorter), so that
+            NCCL's watchdog names the collective that waits before the job is stopped:
+            give a longer one where ranks rightly wait longer (`rank_zero_first`).
         signal_grace: after SIGTERM, SIGUSR1 or Ctrl-C, how long the ranks may take to
             save and stop (a `Trainer` with a checkpoint folder saves after the step
             they agree on) before they are stopped regardless. The signal may reach
@@ -301,7 +373,12 @@ def launch(
             this process, cannot start from there and raises ConfigError.
 
     Returns:
-        What `fn` returned on rank 0 (under an agent, only rank 0 returns).
+        What `fn` returned on rank 0 (under an agent, only rank 0 returns). From spawned
+        workers, its tensors come back on the CPU, wherever they were: inside dicts,
+        lists and tuples, nested as deep as they go (a `state_dict()` too), so that this
+        process creates no CUDA context on their GPU. Tensors inside other objects (a
+        model, a dataclass) keep their device: return `model.state_dict()`, or call
+        `.cpu()` on them in `fn`.
 
     Raises:
         WorkerError: a rank raised or died; it names the rank and carries its traceback.
@@ -426,18 +503,40 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
     rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
     device = _device_for(backend, local_rank)
-    _init_group(backend, rank, world, device, timeout_s, init_method="env://")
+    # ddpkit run passes its hang timeout: NCCL's watchdog must speak before it stops
+    # the job (plain torchrun passes none; then the timeout stays).
+    hang = _float_or_zero(env.get("DDPKIT_HANG_TIMEOUT"))
+    _, group_timeout = nccl_watch(backend, hang, timeout_s, None, env)
+    _init_group(backend, rank, world, device, group_timeout, init_method="env://")
     # torchrun's agent passes the signal it got (SIGTERM, SIGINT, ...) on to its workers.
     handlers = install_handlers((*STOP_SIGNALS, signal.SIGINT))
+    failed = False
     try:
         return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
+    except Preempted:
+        raise  # every rank saved the same step: no collective is left waiting
+    except SystemExit as exc:
+        failed = exc.code not in (0, None)
+        raise
+    except BaseException:
+        failed = True
+        raise
     finally:
         restore_handlers(handlers)
         # The script goes on after us, so we cannot skip its shutdown as spawned
         # workers do (see _exit_now); a short pause lets gloo's threads release their
         # last work first, which avoids the rare abort at exit.
         time.sleep(0.05)
-        destroy_group()
+        # After an error an NCCL collective may still wait for a peer: destroying the
+        # group would wait for it (until the collective timeout); aborting does not.
+        destroy_group(failed=failed)
+
+
+def _float_or_zero(value: str | None) -> float:
+    try:
+        return float(value or 0)
+    except ValueError:
+        return 0.0
 
 
 def _spawn(
@@ -466,6 +565,9 @@ def _spawn(
     status = tmpdir / "status" if hang_timeout > 0 else None
     if status:
         status.mkdir()
+    traces = tmpdir / "nccl-trace" if backend == "nccl" else None
+    if traces:
+        traces.mkdir()
     spec = _Spec(
         world_size=n,
         backend=backend,
@@ -482,6 +584,8 @@ def _spawn(
         # was when the first launch started it.
         environ=dict(os.environ) if method == "forkserver" else None,
         stdio=(_ParentFd(1), _ParentFd(2)) if method == "forkserver" else None,
+        hang_timeout=hang_timeout,
+        trace_dir=str(traces) if traces else None,
     )
     log.debug("starting %d workers with %s", n, method)
     # Python 3.12+ warns at every fork while threads run. "auto" forks then only for a
@@ -521,16 +625,34 @@ def _spawn(
         if listener is not None:
             store, listener = serve_store(world_size=n, listener=listener), None
         judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
-        return cast(T, _supervise(procs, conns, status, judge, forwarder))
+        return cast(T, _supervise(procs, conns, status, judge, forwarder, nccl=bool(traces)))
     finally:
         restore_handlers(handlers)
         _stop(procs.values())
         for conn in conns.values():
             conn.close()
+        if traces:
+            _keep_traces(traces)
         shutil.rmtree(tmpdir, ignore_errors=True)
         if listener is not None:
             listener.close()
         del store
+
+
+def _keep_traces(traces: Path) -> None:
+    """Move the dumps of NCCL's flight recorder out of the job's folder, which is about
+    to be removed, and say where they are."""
+    if not any(traces.glob(f"{TRACE_PREFIX}*")):
+        return
+    kept = Path(tempfile.mkdtemp(prefix="ddpkit-nccl-trace-"))  # never swept: no owner
+    for dump in traces.iterdir():
+        shutil.move(str(dump), kept / dump.name)
+    print(
+        "ddpkit: NCCL's flight recorder wrote the last collectives of each rank to "
+        f"{kept}: read them with `torchfrtrace {kept} -p {TRACE_PREFIX}`",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _preload_in_forkserver(modules: list[str]) -> None:
@@ -643,6 +765,8 @@ def _supervise(
     status: Path | None,
     judge: HangJudge,
     forwarder: SignalForwarder,
+    *,
+    nccl: bool = False,
 ) -> Any:
     """Wait for every worker; soon after the first failure, raise the likely cause;
     raise HangError when the ranks certainly cannot go on (see HangJudge), and print
@@ -707,7 +831,7 @@ def _supervise(
             for err in reported:
                 err.exitcode = code
             if code != 0 and not reported:
-                err = WorkerError(rank, _describe_exit(rank, code), exitcode=code)
+                err = WorkerError(rank, _describe_exit(rank, code, nccl=nccl), exitcode=code)
                 failures.append((time.time(), err))
         if failures and settle_until is None:
             settle_until = time.monotonic() + _SETTLE_S
@@ -739,10 +863,16 @@ def _supervise(
     return results[0]
 
 
-def _describe_exit(rank: int, code: int) -> str:
+def _describe_exit(rank: int, code: int, *, nccl: bool = False) -> str:
     if code < 0:
         name = signal.Signals(-code).name
         hint = " (the kernel's OOM killer sends SIGKILL: check memory)" if name == "SIGKILL" else ""
+        if name == "SIGABRT" and nccl:
+            # How NCCL's watchdog ends a rank: its own message says which collective.
+            hint = (
+                " (NCCL's watchdog ends a rank so when a collective times out: its "
+                "'collective operation timeout' message above names the collective)"
+            )
         return f"rank {rank} was killed by {name}{hint}"
     return f"rank {rank} exited with code {code}"
 
@@ -894,7 +1024,14 @@ def _worker(
         os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(threads_per_rank(world))
+    # NCCL's watchdog names the collective that waits, before ddpkit stops the job.
+    traces = Path(spec.trace_dir) if spec.trace_dir else None
+    nccl_env, group_timeout = nccl_watch(
+        spec.backend, spec.hang_timeout, spec.timeout_s, traces, os.environ
+    )
+    os.environ.update(nccl_env)
     initialised = False
+    failed = False
     code = 0
     try:
         device = _device_for(spec.backend, rank)
@@ -906,14 +1043,14 @@ def _worker(
                 is_master=False,
                 timeout=timedelta(seconds=spec.timeout_s),
             )
-            _init_group(spec.backend, rank, world, device, spec.timeout_s, store=store)
+            _init_group(spec.backend, rank, world, device, group_timeout, store=store)
         else:
             _init_group(
                 spec.backend,
                 rank,
                 world,
                 device,
-                spec.timeout_s,
+                group_timeout,
                 init_method=f"file://{spec.init_file}",
             )
         initialised = True
@@ -929,12 +1066,14 @@ def _worker(
         else:
             _report(conn, exc)
             code = exc.code if isinstance(exc.code, int) else 1
+            failed = True
     except BaseException as exc:
         _report(conn, exc)
-        code = 1
+        code, failed = 1, True
     finally:
         if initialised:
-            destroy_group()
+            # After an error an NCCL collective may still wait for a peer: abort it.
+            destroy_group(failed=failed)
         conn.close()
     exit_now(code)
 
@@ -957,8 +1096,37 @@ def exit_now(code: int) -> NoReturn:
 def _send(conn: Connection, message: tuple[Any, ...]) -> None:
     # Plain pickle copies tensor data into the message. multiprocessing's own pickler
     # would pass tensors as shared-memory handles that the parent can only open while
-    # this worker is still alive, and workers exit right after sending.
-    conn.send_bytes(pickle.dumps(message))
+    # this worker is still alive, and workers exit right after sending. A GPU tensor
+    # would be unpickled onto its GPU: a CUDA context in the parent, on that GPU.
+    conn.send_bytes(pickle.dumps(result_on_cpu(message)))
+
+
+def result_on_cpu(obj: Any) -> Any:
+    """`obj` with every tensor on a GPU (or any other device with data) copied to the
+    CPU, inside dicts (OrderedDict too, such as a state_dict), lists and tuples (named
+    ones too), nested as deep as they go. Anything else is left as it is, tensors
+    inside it included: a model, a dataclass, an object of your own."""
+    if isinstance(obj, torch.Tensor):
+        return _tensor_on_cpu(obj)
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, result_on_cpu(v)) for k, v in obj.items())
+    if type(obj) is list:
+        return [result_on_cpu(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(result_on_cpu(v) for v in obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(result_on_cpu(v) for v in obj))
+    return obj
+
+
+def _tensor_on_cpu(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type in ("cpu", "meta"):  # a meta tensor has no data to copy
+        return t
+    moved = t.detach().to("cpu")
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=t.requires_grad)
+    # A copy that kept the autograd history would not pickle; requires_grad is kept.
+    return moved.requires_grad_(t.requires_grad) if t.is_floating_point() else moved
 
 
 def _report(conn: Connection, exc: BaseException) -> None:
