@@ -63,6 +63,13 @@ def test_single_process_runs_in_place_with_a_real_group() -> None:
     assert not dist.is_initialized()  # destroyed again
 
 
+def test_one_process_with_a_named_start_method_runs_in_a_worker() -> None:
+    # How one NCCL rank goes through the real spawn path on one GPU (bench/gpu_checks.py).
+    out = launch(_identity, "one", nprocs=1, start="fork")
+    assert out["pid"] != os.getpid() and out["sum"] == 1.0 and out["world"] == 1
+    assert not dist.is_initialized()
+
+
 def test_many_single_process_launches_never_deadlock_in_teardown() -> None:
     # torch 2.6's gloo could deadlock in destroy_process_group (its worker thread
     # still releasing an all_gather's tensors needs the GIL that the destructor holds):

@@ -370,7 +370,9 @@ def launch(
             function from a notebook or `python -c`, "auto" forks a CPU job on Linux
             even while threads run (a Jupyter kernel always runs some), as Accelerate's
             `notebook_launcher` does; a GPU job, or one after CUDA was initialised in
-            this process, cannot start from there and raises ConfigError.
+            this process, cannot start from there and raises ConfigError. With one
+            process, "auto" runs `fn` in this process (no worker at all); naming a
+            start method starts one worker that way, as with several.
 
     Returns:
         What `fn` returned on rank 0 (under an agent, only rank 0 returns). From spawned
@@ -416,7 +418,7 @@ def launch(
         return _run_under_agent(fn, args, resolve_backend(backend), timeout)
     backend_ = resolve_backend(backend)
     n = resolve_nprocs(nprocs, backend_)
-    if n == 1:
+    if n == 1 and start == "auto":
         return _run_single(fn, args, backend_, timeout)
     return _spawn(fn, args, n, backend_, init, timeout, hang_timeout, signal_grace, start)
 
