@@ -1,6 +1,6 @@
-"""What a GPU run needs, checked on CPU: the determinism and TF32 switches, one
-autocast context per run, evaluation through the compiled model, and torch's
-SyncBatchNorm for CUDA models."""
+"""What a GPU run needs, checked on CPU: determinism and TF32 switches, one autocast
+context per run, evaluation through the compiled model, torch's SyncBatchNorm for CUDA
+models, and uneven shards that agree on each step without a blocking collective."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.data import TensorDataset
+from torch.utils.data import Sampler, TensorDataset
 
-from ddpkit import DistContext
+from ddpkit import DistContext, WorkerError, launch
 from ddpkit.config import TrainConfig
+from ddpkit.digest import model_digest
 from ddpkit.seed import seed_everything
 from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from ddpkit.trainer import Trainer
@@ -191,3 +193,116 @@ def test_a_model_with_cuda_parameters_gets_torchs_syncbatchnorm() -> None:
     with torch.device("meta"):  # neither CPU nor CUDA: ddpkit's layer, which runs anywhere
         meta = _bn()
     assert type(convert_sync_batchnorm(meta)[0][1]) is SyncBatchNorm
+
+
+# -- uneven shards: the ranks agree without a blocking collective per step ------------
+
+
+class _Unequal(Sampler[int]):
+    """Rank 0 gets 10 samples, rank 1 gets 25: 3 and 7 batches of 4."""
+
+    def __init__(self, rank: int) -> None:
+        self.indices = list(range(10)) if rank == 0 else list(range(10, 35))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class _Indices(Sampler[int]):
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _fit_stranded(ctx: DistContext) -> None:
+    model = nn.Linear(4, 1)
+    Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        _data(),
+        ctx,
+        TrainConfig(epochs=1, batch_size=4),
+        loss_fn=nn.functional.mse_loss,
+        train_sampler=_Indices(list(range(8)) if ctx.rank == 0 else []),
+        log_fn=lambda s: None,
+    ).fit()
+
+
+def test_a_rank_without_any_batch_stops_every_rank_with_the_fix() -> None:
+    # Rank 0 reads the agreement only at its first backward; it must stop there too.
+    with pytest.raises(WorkerError, match="must hold at least one batch"):
+        launch(_fit_stranded, nprocs=2, hang_timeout=60)
+
+
+def _fit_uneven(ctx: DistContext, accumulate: int) -> dict[str, Any]:
+    calls = {"blocking": 0, "async": 0}
+    real = dist.all_reduce
+
+    def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls["async" if kwargs.get("async_op") else "blocking"] += 1
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # type: ignore[assignment]  # this worker only
+    try:
+        seed_everything(0)
+        model = nn.Linear(4, 1).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        trainer = Trainer(
+            model,
+            opt,
+            _data(35, torch.float64),
+            ctx,
+            TrainConfig(epochs=2, batch_size=4, accumulate=accumulate, sync_batchnorm=False),
+            loss_fn=nn.functional.mse_loss,
+            train_sampler=_Unequal(ctx.rank),
+            log_fn=lambda s: None,
+        )
+        fit = trainer.fit()
+    finally:
+        dist.all_reduce = real
+    digests: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(digests, model_digest(trainer.model))
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    return {"calls": calls, "steps": fit.global_step, "digests": digests, "params": params}
+
+
+def _reference(accumulate: int) -> list[torch.Tensor]:
+    """The same training in one process: each step's mean loss over the samples that
+    both ranks' batches of that step hold."""
+    seed_everything(0)
+    model = nn.Linear(4, 1).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = _data(35, torch.float64)
+    shards = [list(range(10)), list(range(10, 35))]
+    batches = [[s[i : i + 4] for i in range(0, len(s), 4)] for s in shards]
+    longest = max(len(b) for b in batches)
+    for _ in range(2):
+        for first in range(0, longest, accumulate):
+            idx = [i for b in batches for part in b[first : first + accumulate] for i in part]
+            x, y = data[idx]
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_uneven_shards_agree_without_a_blocking_collective_per_step(accumulate: int) -> None:
+    out = launch(_fit_uneven, accumulate, nprocs=2, hang_timeout=120)
+    steps_per_epoch = -(-7 // accumulate)
+    assert out["steps"] == 2 * steps_per_epoch
+    # Blocking: only the epoch's one reduction for its log line, not one per step.
+    assert out["calls"]["blocking"] == 2, out["calls"]
+    # The agreement (each step, and once more to find the epoch's end) is asynchronous.
+    assert out["calls"]["async"] == 2 * (steps_per_epoch + 1)
+    assert out["digests"][0] == out["digests"][1]  # every rank the same model
+    for got, want in zip(out["params"], _reference(accumulate), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

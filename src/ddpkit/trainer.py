@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -253,6 +254,13 @@ class Trainer:
         self._uneven = ctx.distributed and not isinstance(
             self.train_loader.base_sampler, DistributedSampler
         )
+        # The ranks agree on each step of such shards (or of unknown length) with counts
+        # in CPU memory, over gloo: counts on a GPU would make the step wait for the
+        # device to finish all it has queued. A gloo group of its own beside nccl.
+        self._agree_group: Any = None
+        agrees = self._uneven or _length(self.train_loader) is None
+        if agrees and ctx.distributed and ctx.backend != "gloo":
+            self._agree_group = dist.new_group(backend="gloo")  # a collective: every rank
         if self._uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
             raise ConfigError(
                 "a custom sampler or an IterableDataset can give ranks unequal numbers of "
@@ -408,8 +416,11 @@ class Trainer:
                     model.eval()
                 with self._no_sync(not step_now), self._autocast():
                     loss, _ = self._loss(model, batch)
+                # Uneven shards: the step's total over all ranks arrives while the
+                # forward runs; the backward is the first thing that needs it.
+                step_samples = den if isinstance(den, float) else den.total()
                 scaled = loss * num if num != 1 else loss
-                self._backward(scaled / den if den != 1 else scaled)
+                self._backward(scaled / step_samples if step_samples != 1 else scaled)
                 if dummy:
                     model.train()
                 else:
@@ -443,6 +454,12 @@ class Trainer:
         while others still train takes part with its last batch, weighted 0; the epoch
         ends for every rank when no rank has data left. So the ranks' models, optimizer
         and scheduler states stay bit-identical, and no sample is dropped.
+
+        The all-reduce starts as soon as a group is drawn, and a rank with data waits
+        for it only at the step's first backward, which needs the total: its forward
+        runs (on a GPU, is queued) meanwhile. A rank with no data left waits at once,
+        and so does every rank under FSDP with accumulation, where the number of
+        forwards (one gather each) must be known before the first.
         """
         k, world = self.config.accumulate, self.ctx.world_size
         # Under FSDP every forward gathers parameters: the ranks must run as many
@@ -456,23 +473,15 @@ class Trainer:
             counts = [count_samples(b) for b in group]
             stranded = not group and self._last_batch is None
             have = [int(len(group) == m) for m in range(1, lengths + 1)]
-            step_total, any_stranded, *longest = reduce_sums(
-                [sum(counts), int(stranded), *have], self.ctx
-            )
-            if step_total == 0:
-                return
-            if any_stranded:
-                raise ConfigError(
-                    f"a rank got no batch at all in epoch {self.epoch + 1} while others did: "
-                    "each rank's share of the data (an IterableDataset or train_sampler "
-                    "that shards itself) must hold at least one batch"
-                )
-            runs = max((m for m, c in enumerate(longest, 1) if c), default=max(len(group), 1))
+            agreed = _Agreement([sum(counts), int(stranded), *have], self._agree_group, self.epoch)
+            if (not sum(counts) or lengths) and agreed.total() == 0:
+                return  # no rank has data left
+            runs = agreed.longest(len(group)) if lengths else max(len(group), 1)
             if group:
                 self._last_batch = group[-1]
             for m, (batch, n) in enumerate(zip(group, counts, strict=True)):
                 # DDP averages over the ranks; this rank's part of the step's mean.
-                yield batch, (float(world * n), step_total), m == runs - 1, position
+                yield batch, (float(world * n), agreed), m == runs - 1, position
             # No data left here (or less than another rank's): take part, change nothing.
             for m in range(len(group), runs):
                 yield self._last_batch, (0.0, 1.0), m == runs - 1, position
@@ -872,9 +881,42 @@ class _Window:
         return values
 
 
-# A micro-batch, the (numerator, denominator) its mean loss is scaled by, whether the
+class _Agreement:
+    """Counts of one step summed over all ranks: an all-reduce started at once, in CPU
+    memory (no device sync on a GPU), and waited for when a sum is first read."""
+
+    def __init__(self, counts: list[int], group: Any, epoch: int) -> None:
+        self._epoch = epoch
+        self._sums = torch.tensor(counts, dtype=torch.int64)
+        self._work: Any = dist.all_reduce(self._sums, group=group, async_op=True)
+
+    def _read(self) -> list[int]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return [int(x) for x in self._sums.tolist()]
+
+    def total(self) -> float:
+        """The step's samples over all ranks; 0 when every rank's data has run out."""
+        step_total, any_stranded, *_ = self._read()
+        if step_total and any_stranded:
+            raise ConfigError(
+                f"a rank got no batch at all in epoch {self._epoch + 1} while others did: "
+                "each rank's share of the data (an IterableDataset or train_sampler "
+                "that shards itself) must hold at least one batch"
+            )
+        return float(step_total)
+
+    def longest(self, own: int) -> int:
+        """The most micro-batches any rank has for this step (FSDP's one-hot counts)."""
+        _, _, *have = self._read()
+        return max((m for m, c in enumerate(have, 1) if c), default=max(own, 1))
+
+
+# A micro-batch, the (numerator, denominator) its mean loss is scaled by (with uneven
+# shards the denominator is the step's agreement, read at the backward), whether the
 # optimizer steps after it, and the epoch's position (in batches) after that step.
-_Micro = tuple[Any, tuple[float, float], bool, int]
+_Micro = tuple[Any, tuple[float, float | _Agreement], bool, int]
 
 
 def _fixed_groups(batch_iter: Iterable[Any], k: int, skip: int, total: int) -> Iterator[_Micro]:
