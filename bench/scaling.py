@@ -55,7 +55,7 @@ Timings on a shared machine are noisy: each row records the share of the CPUs th
 other processes (and the kernel, writing files out) used meanwhile (`foreign_load`).
 
     .venv/bin/python bench/scaling.py                    # ~3 min on 2 cores, 1.2 GB RAM
-    .venv/bin/python bench/scaling.py --quick            # smoke run (1 M and 4 M), ~30 s
+    .venv/bin/python bench/scaling.py --quick            # smoke run (1 M and 4 M, 3 runs each), ~30 s
     .venv/bin/python bench/scaling.py --markdown --json bench/results/scaling.json
     .venv/bin/python bench/scaling.py --params 10,50,200 --only digest,load
 
@@ -583,7 +583,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="model sizes in millions of parameters, comma-separated (default %(default)s)",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run: 1 M and 4 M parameters")
-    p.add_argument("--repeats", type=int, default=7, help="measured runs of each (default 7)")
+    p.add_argument("--repeats", type=int, help="measured runs of each (default 7; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
     p.add_argument(
         "--only",
@@ -609,6 +609,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [c for c in args.only if c not in COSTS]
     if unknown or not args.only:
         p.error(f"--only takes names of {', '.join(COSTS)} (got {unknown or args.only})")
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 7
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     return args

@@ -255,6 +255,7 @@ def test_scaling_smoke_run(tmp_path: Path) -> None:
     for r in rows:
         assert len(r["ddpkit_s"]) == len(r["raw_s"]) == 3 and min(r["ddpkit_s"] + r["raw_s"]) > 0
         assert r["ratio"] == pytest.approx(r["ddpkit_median_s"] / r["raw_median_s"])
+        assert r["best_ratio"] == pytest.approx(min(r["ddpkit_s"]) / min(r["raw_s"]))
     assert set(doc["over_limit"]) <= set(costs)
     assert "| cost | params | MB |" in proc.stdout and "| digest | 0.9 M |" in proc.stdout
     assert list(work.iterdir()) == []  # every temporary folder was deleted
