@@ -55,7 +55,7 @@ Timings on a shared machine are noisy: each row records the share of the CPUs th
 other processes (and the kernel, writing files out) used meanwhile (`foreign_load`).
 
     .venv/bin/python bench/scaling.py                    # ~3 min on 2 cores, 1.2 GB RAM
-    .venv/bin/python bench/scaling.py --quick            # smoke run (1 M and 4 M, 3 runs each), ~30 s
+    .venv/bin/python bench/scaling.py --quick            # smoke run: 1 M and 4 M, 3 runs, ~30 s
     .venv/bin/python bench/scaling.py --markdown --json bench/results/scaling.json
     .venv/bin/python bench/scaling.py --params 10,50,200 --only digest,load
 
