@@ -5,6 +5,7 @@ monkeypatched `torch.cuda` functions for a GPU."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import stat
@@ -199,7 +200,7 @@ def test_info_without_nvidia_smi_lists_the_gpus_with_free_memory_unknown(
     facts = info.gather()
     assert [(g["index"], g["free_gib"]) for g in facts["gpus"]] == [(0, None), (1, None)]
     assert not [p for p in facts["problems"] if "free" in p]
-    info.run(SimpleNamespace(json=False))
+    info.run(argparse.Namespace(json=False))
     assert "GPU 1: NVIDIA H100 80GB HBM3, 80.0 GiB (free memory unknown)" in capsys.readouterr().out
 
 

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import stat
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -125,7 +126,7 @@ def test_the_flight_recorders_dumps_outlive_the_job_and_are_named(
 ) -> None:
     from ddpkit.diagnosis.nccl import TRACE_PREFIX
 
-    monkeypatch.setattr(ln.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     job = tmp_path / "ddpkit-job-x" / "nccl-trace"
     job.mkdir(parents=True)
     ln._keep_traces(job)  # nothing dumped: nothing said
@@ -227,7 +228,7 @@ class _OnGpu(torch.Tensor):
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", 0)
 
-    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override, unused-ignore]
         return self.as_subclass(torch.Tensor).to(*args, **kwargs)
 
 
