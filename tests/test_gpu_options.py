@@ -21,6 +21,7 @@ from ddpkit.digest import model_digest
 from ddpkit.seed import seed_everything
 from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from ddpkit.trainer import Trainer
+from tests.test_trainer_features import _Unequal  # rank 0: 10 samples, rank 1: 25
 
 
 def _data(n: int = 24, dtype: torch.dtype = torch.float32) -> TensorDataset:
@@ -200,19 +201,6 @@ def test_a_model_with_cuda_parameters_gets_torchs_syncbatchnorm() -> None:
 
 
 # -- uneven shards: the ranks agree without a blocking collective per step ------------
-
-
-class _Unequal(Sampler[int]):
-    """Rank 0 gets 10 samples, rank 1 gets 25: 3 and 7 batches of 4."""
-
-    def __init__(self, rank: int) -> None:
-        self.indices = list(range(10)) if rank == 0 else list(range(10, 35))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
 
 
 class _Indices(Sampler[int]):
