@@ -28,6 +28,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit import DistContext
+from ddpkit.parallel.ranks import all_gather_object
 
 RESULTS = Path(__file__).parent / "results" / "fsdp_memory.json"
 
@@ -105,7 +106,7 @@ def _throughput(ctx: DistContext, rounds: int, steps: int) -> dict[str, list[flo
 
 
 def _run(ctx: DistContext, width: int, depth: int, rounds: int, steps: int) -> dict[str, Any]:
-    memory = {s: ddpkit.all_gather_object(_memory(ctx, s, width, depth)) for s in ("ddp", "fsdp")}
+    memory = {s: all_gather_object(_memory(ctx, s, width, depth)) for s in ("ddp", "fsdp")}
     return {"memory": memory, "throughput": _throughput(ctx, rounds, steps)}
 
 

@@ -53,8 +53,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit.digest import model_digest
-from ddpkit.model import find_ddp, unwrap
+from ddpkit.checkpoint.digest import model_digest
+from ddpkit.parallel.model import find_ddp, unwrap
 
 Facts = dict[str, Any]
 
@@ -345,7 +345,7 @@ def _fsdp_fit(ctx: ddpkit.DistContext, folder: str, epochs: int, resume: bool) -
 
 
 def check_fsdp_one_rank(device: str) -> Facts:
-    from ddpkit.fsdp import cpu_supported
+    from ddpkit.parallel.fsdp import cpu_supported
 
     if device == "cpu" and not cpu_supported():
         return {"skipped": f"FSDP2 does not run on CPU with torch {torch.__version__}"}

@@ -7,18 +7,18 @@ for one model at two sizes (by default 25 M and 100 M float32 parameters, 100 an
 400 MB: 6 Linear(width, width) layers), each of ddpkit's costs that touch every
 byte of the model against what a user would write by hand:
 
-- `save`: `ddpkit.save_checkpoint({"model", "optimizer"}, ...)` (Trainer's and
+- `save`: `save_checkpoint({"model", "optimizer"}, ...)` (Trainer's and
   `save_state`'s writer: temporary file, rename, and the fsync on a thread while
   training goes on) vs `torch.save` of the same dict to the same disk; `fsynced save`:
   `save_checkpoint` and `wait_for_checkpoints` (until the file is on disk) against
   `torch.save` and an `os.fsync` of the file, what makes a checkpoint survive a
   power cut. The flush a save leaves to its thread is waited for after the clock
   stops, so that it does not slow the next measurement.
-- `load`: `ddpkit.load_checkpoint` vs `torch.load(weights_only=True)` of that file.
+- `load`: `load_checkpoint` vs `torch.load(weights_only=True)` of that file.
 - `sharded save`: the DCP path of strategy "fsdp" (`save_checkpoint(..., shards=...)`,
   2 gloo ranks of FSDP2, one thread each) vs `torch.distributed.checkpoint.save` of the
   same state dict; skipped where FSDP2 cannot run on CPU (torch < 2.7).
-- `digest`: `ddpkit.model_digest` vs sha256 over each tensor's `numpy().tobytes()`.
+- `digest`: `model_digest` vs sha256 over each tensor's `numpy().tobytes()`.
 - `export`: `ddpkit export CKPT OUT.pt` (its function, in this process: a temporary
   file and a rename, no fsync) vs `torch.load` of the checkpoint and `torch.save` of
   its model.
@@ -93,6 +93,9 @@ from tutorial import threads_for
 
 import ddpkit
 from ddpkit import DistContext
+from ddpkit.checkpoint.digest import model_digest
+from ddpkit.checkpoint.pt import load_checkpoint, save_checkpoint
+from ddpkit.parallel.ranks import all_gather_object, broadcast_object
 
 LIMIT = 1.2  # a ddpkit cost above this multiple of its raw counterpart is looked into
 DEPTH = 6  # Linear layers: 6 x 4096^2 is 100.7 M parameters (bench/fsdp_memory.py's model)
@@ -215,7 +218,6 @@ def _quiet(_: str) -> None:
 
 def one_process_costs(model: nn.Module, inputs: Path, ctx: DistContext) -> list[Cost]:
     """The costs that one process pays, on `model`; their input files go to `inputs`."""
-    from ddpkit.checkpoint import save_checkpoint
     from ddpkit.cli import export
     from ddpkit.verification.equivalence import _Record
 
@@ -253,14 +255,14 @@ def one_process_costs(model: nn.Module, inputs: Path, ctx: DistContext) -> list[
 
     def ddpkit_load(folder: Path) -> Callable[[], object]:
         path = link_into(checkpoint, folder)
-        return lambda: ddpkit.load_checkpoint(path, ctx)
+        return lambda: load_checkpoint(path, ctx)
 
     def raw_load(folder: Path) -> Callable[[], object]:
         path = link_into(checkpoint, folder)
         return lambda: torch.load(path, map_location=ctx.device, weights_only=True)
 
     def ddpkit_digest(_: Path) -> Callable[[], object]:
-        return lambda: ddpkit.model_digest(model)
+        return lambda: model_digest(model)
 
     def raw_digest(_: Path) -> Callable[[], object]:
         def digest() -> str:
@@ -369,7 +371,7 @@ def measure_ranks(prepare: Prepare, base: Path | None, main: bool) -> tuple[floa
     every rank runs its action between two barriers, rank 0's clock counts."""
     tmp = tempfile.TemporaryDirectory(dir=base, prefix="ddpkit-scaling-") if main else None
     try:
-        name: str | None = ddpkit.broadcast_object(tmp.name if tmp is not None else None)
+        name: str | None = broadcast_object(tmp.name if tmp is not None else None)
         assert name is not None
         folder = Path(name)
         action = prepare(folder)
@@ -394,8 +396,7 @@ def sharded_cost(model: nn.Module, ctx: DistContext) -> Cost:
     """The sharded save of `model` (already sharded with FSDP on this rank's group)."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from ddpkit.checkpoint import save_checkpoint
-    from ddpkit.sharded import tensors_of
+    from ddpkit.checkpoint.sharded import tensors_of
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # after sharding
     # What Trainer.save hands to both writers: every rank's shards of model and
@@ -439,7 +440,7 @@ class _RanksLoad:
         self._t, self._busy, self._own = time.perf_counter(), _machine_busy_s(), _own_busy_s()
 
     def foreign(self) -> float | None:
-        ranks = sum(ddpkit.all_gather_object(_own_busy_s() - self._own))
+        ranks = sum(all_gather_object(_own_busy_s() - self._own))
         busy, seconds = _machine_busy_s(), (time.perf_counter() - self._t) * threads_for(1)
         if busy is None or self._busy is None or seconds <= 0:
             return None
@@ -622,7 +623,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
-    from ddpkit.fsdp import cpu_supported
+    from ddpkit.parallel.fsdp import cpu_supported
 
     meta: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

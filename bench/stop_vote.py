@@ -2,7 +2,7 @@
 
 With a checkpoint folder, a `Trainer` saves and stops on SIGTERM, SIGUSR1 or Ctrl-C,
 and its ranks agree on the step to stop after with a small all-reduce (the stop vote,
-`ddpkit.preemption.StopVote`). It used to run after every optimizer step, which cost
+`ddpkit.launch.preemption.StopVote`). It used to run after every optimizer step, which cost
 15-50 % of the few-millisecond steps of a small CPU job; it now runs about every
 0.1 s of steps.
 
@@ -35,7 +35,8 @@ from typing import Any
 
 import ddpkit
 from ddpkit import DistContext, TrainConfig
-from ddpkit.job import build_job
+from ddpkit.parallel.ranks import broadcast_object
+from ddpkit.training.job import build_job
 
 
 def _fit(ctx: DistContext, on_signal: str, epochs: int, folder: str) -> tuple[float, float, int]:
@@ -47,7 +48,7 @@ def _fit(ctx: DistContext, on_signal: str, epochs: int, folder: str) -> tuple[fl
         on_signal=on_signal,  # type: ignore[arg-type]
         progress=False,
     )
-    trainer = build_job(ctx, "seed", config).trainer(ctx, config)
+    trainer = build_job(ctx, "linear", config).trainer(ctx, config)
     trainer.log_fn = lambda line: None
     start, cpu = time.perf_counter(), time.process_time()
     trainer.fit()
@@ -58,7 +59,7 @@ def _rounds(ctx: DistContext, rounds: int, epochs: int) -> dict[str, list[list[f
     times: dict[str, list[list[float]]] = {"vote": [], "no-vote": []}
     orders = [("save", "stop"), ("stop", "save")]
     with tempfile.TemporaryDirectory() as scratch:
-        shared = ddpkit.broadcast_object(scratch)  # rank 0's folder on every rank
+        shared = broadcast_object(scratch)  # rank 0's folder on every rank
         for i in range(rounds + 1):
             for on_signal in orders[i % 2]:
                 folder = str(Path(shared, f"r{i}-{on_signal}"))

@@ -5,7 +5,7 @@ one all-reduce of sums and sums of squares per layer.
 Two gloo ranks (one thread each) train the `cnn` workload's model (two conv+BatchNorm
 blocks) on the same batch of 32 per rank, DDP-wrapped, in three variants that take
 turns in the same processes: `plain` (nn.BatchNorm2d, no synchronisation), `ddpkit`
-(ddpkit.SyncBatchNorm: per-rank count, mean and M2 gathered and combined exactly in
+(SyncBatchNorm: per-rank count, mean and M2 gathered and combined exactly in
 float64) and `sums` (the hand-written way: one all_reduce of count, sum and sum of
 squares in the forward, one of the two gradient sums in the backward, built on the
 same fused ATen kernels as ddpkit's, so only the collective and the arithmetic of the
@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tutorial import cnn_model, ddp_setup, loopback_store
 
-from ddpkit.syncbn import convert_sync_batchnorm
+from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("plain", "ddpkit", "sums")

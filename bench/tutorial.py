@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.examples.seed import dataset as seed_dataset
+from ddpkit.examples.linear import dataset as seed_dataset
 
 # Public in torch.distributed, but not re-exported in its type stubs.
 TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
@@ -153,7 +153,7 @@ def loopback_store(world_size: int) -> Any:
     """The rendezvous store, at a free port, listening on 127.0.0.1 only.
 
     TCPStore listens on every interface when it opens its own socket, so it gets one
-    already bound to loopback (as `ddpkit.launcher.serve_store` does; not imported here,
+    already bound to loopback (as `ddpkit.launch.launcher.serve_store` does; not imported here,
     so that the hand-written contestant's start-up does not load ddpkit).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

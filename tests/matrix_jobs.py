@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, Sampler
 
 import ddpkit
-from ddpkit.seed import rng_state
+from ddpkit.seed import rank_seed, rng_state
 from ddpkit.verification.runs import leaves, same, whole
 
 SEED = 7
@@ -374,7 +374,7 @@ def _hand_cell(ctx: ddpkit.DistContext, strategy: str, phase: str, folder: Path)
     batches = len(loader)  # of an epoch: before a resume makes the loader skip some
     acc = ddpkit.accumulate(model, HAND_ACCUMULATE, batches)
     prec = ddpkit.Precision("bf16", ctx)
-    ddpkit.seed_everything(ddpkit.rank_seed(SEED, ctx.rank))  # each rank its own stream
+    ddpkit.seed_everything(rank_seed(SEED, ctx.rank))  # each rank its own stream
     ckpt = folder / ("ckpt-resume" if phase == "resume" else "ckpt")
     start: dict[str, Any] | None = None
     if phase == "resume":

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import ddpkit
-from ddpkit.digest import model_digest, state_digest
+from ddpkit.checkpoint.digest import model_digest, state_digest
 
 DEFAULTS = {"epochs": 3, "batch_size": 8, "scheduler_interval": "step", "num_workers": 2}
 

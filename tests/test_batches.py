@@ -17,10 +17,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
 
 import ddpkit
-from ddpkit import ConfigError, DistContext, TrainConfig, launch
-from ddpkit.batches import count_samples, default_step, to_device
-from ddpkit.job import build_job
-from ddpkit.jobspec import build_arity
+from ddpkit import DistContext, TrainConfig, launch
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.batches import count_samples, default_step, to_device
+from ddpkit.parallel.ranks import all_gather_object
+from ddpkit.training.job import build_job
+from ddpkit.training.jobspec import build_arity
 from tests import shaped_jobs
 from tests.conftest import ROOT, run_cli
 
@@ -131,7 +133,7 @@ def test_a_training_step_job_with_metrics_trains_through_the_cli(tmp_path: Path)
 def _evaluate_step_job(ctx: DistContext) -> list[dict[str, float]]:
     config = TrainConfig(epochs=1, batch_size=7, progress=False)
     trainer = build_job(ctx, shaped_jobs.build_step, config).trainer(ctx, config)
-    return ddpkit.all_gather_object(trainer.evaluate())
+    return all_gather_object(trainer.evaluate())
 
 
 def test_eval_metrics_count_each_sample_once_on_one_process_and_two_ranks() -> None:

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import CheckpointError, DistContext, launch
-from ddpkit.checkpoint import (
+from ddpkit import DistContext, launch
+from ddpkit.checkpoint.digest import model_digest, state_digest
+from ddpkit.checkpoint.pt import (
     atomic_save,
     check_writable,
     latest_checkpoint,
@@ -30,7 +31,7 @@ from ddpkit.checkpoint import (
     save_checkpoint,
     wait_for_checkpoints,
 )
-from ddpkit.digest import model_digest, state_digest
+from ddpkit.errors import CheckpointError
 from tests.conftest import ROOT, wait_for_files
 
 CTX = DistContext()
@@ -131,7 +132,7 @@ def test_one_process_loads_the_file_as_it_reads_it_and_gets_what_torch_load_gets
     # Only the digest that other ranks check needs a file's bytes in memory; one process
     # decodes the file as it reads it (it read all of it, then hashed and decoded the
     # copy: 3x a torch.load of 400 MB), and gets the same state.
-    import ddpkit.checkpoint as ckpt
+    import ddpkit.checkpoint.pt as ckpt
 
     save_checkpoint(_state(1.0), tmp_path, CTX, step=1)
     path = save_checkpoint(_state(2.0), tmp_path, CTX, step=2)
@@ -194,7 +195,7 @@ _KILLED_MID_SAVE = textwrap.dedent(
     """
     import os, sys, time, torch
     from pathlib import Path
-    from ddpkit.checkpoint import atomic_save
+    from ddpkit.checkpoint.pt import atomic_save
 
     folder = Path(sys.argv[1])
     atomic_save({"model": {"w": torch.ones(3)}}, folder / "ckpt-000000001.pt")
@@ -293,7 +294,7 @@ _EXITS_WHILE_FLUSHING = textwrap.dedent(
     import os, sys, time, torch
     from pathlib import Path
     import ddpkit
-    from ddpkit.checkpoint import save_checkpoint
+    from ddpkit.checkpoint.pt import save_checkpoint
 
     folder, how = Path(sys.argv[1]), sys.argv[2]
     real = os.fsync
@@ -354,7 +355,7 @@ class _Warnings(logging.Handler):
 def _break_reads_on_rank1(how: str) -> None:
     """Make this rank's reads of ckpt-10 fail or return other bytes (a flaky or a
     different filesystem), through the module's one file-read function."""
-    import ddpkit.checkpoint as ckpt
+    import ddpkit.checkpoint.pt as ckpt
 
     real = ckpt._read_bytes
 

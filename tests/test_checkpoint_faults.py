@@ -23,15 +23,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit import CheckpointError, DistContext, launch
-from ddpkit.checkpoint import list_checkpoints, lock_folder, save_checkpoint
-from ddpkit.config import TrainConfig
-from ddpkit.job import build_job
+from ddpkit import DistContext, launch
+from ddpkit.checkpoint.pt import list_checkpoints, lock_folder, save_checkpoint
+from ddpkit.errors import CheckpointError
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import build_job
 from tests.conftest import ROOT, run_cli, wait_for_files, wait_gone
 
 CTX = DistContext()
 DDPKIT = [sys.executable, "-m", "ddpkit"]
-SEED = "train --example seed --nproc 2 --epochs 1"  # 32 steps, a 28 KiB checkpoint
+SEED = "train --example linear --nproc 2 --epochs 1"  # 32 steps, a 28 KiB checkpoint
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -110,7 +111,7 @@ def test_a_full_disk_is_named_in_one_line(tmp_path: Path) -> None:
     mounted in a private mount namespace (unshare -m), so it vanishes with the test."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    train = f"{shlex.join(DDPKIT)} train --example seed --nproc 2"
+    train = f"{shlex.join(DDPKIT)} train --example linear --nproc 2"
     script = textwrap.dedent(
         f"""
         mount -t tmpfs -o size=40k tmpfs {disk} || exit 99
@@ -161,8 +162,8 @@ _PAUSED_JOB = textwrap.dedent(
     """
     import os, time
     from pathlib import Path
-    from ddpkit.callbacks import Callback
-    from ddpkit.examples import seed
+    from ddpkit.training.trainer import Callback
+    from ddpkit.examples import linear
 
     class Pause(Callback):
         def on_step_end(self, trainer, step):
@@ -171,7 +172,7 @@ _PAUSED_JOB = textwrap.dedent(
                 time.sleep(300)
 
     def build(ctx):
-        job = seed.build(ctx)
+        job = linear.build(ctx)
         job.callbacks.append(Pause())
         return job
     """
@@ -184,7 +185,7 @@ def test_a_second_job_in_the_folder_is_refused_and_a_dead_ones_lock_is_taken_ove
     folder = tmp_path / "ck"
     (tmp_path / "paused.py").write_text(_PAUSED_JOB)
     mark = tmp_path / "rank0.pid"
-    paused = SEED.replace("--example seed", f"--job {tmp_path / 'paused.py'}:build")
+    paused = SEED.replace("--example linear", f"--job {tmp_path / 'paused.py'}:build")
     first = subprocess.Popen(
         [*DDPKIT, *paused.split(), "--checkpoint-dir", str(folder)],
         cwd=ROOT,
@@ -246,7 +247,7 @@ _WRITER = textwrap.dedent(
     """
     import sys, time, torch
     from pathlib import Path
-    from ddpkit.checkpoint import atomic_save
+    from ddpkit.checkpoint.pt import atomic_save
 
     folder = Path(sys.argv[1])
     real_save = torch.save
@@ -300,7 +301,7 @@ def test_a_save_never_deletes_a_temporary_file_that_another_process_is_writing(
 @pytest.mark.slow
 def test_resuming_another_models_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     folder = tmp_path / "ck"
-    seed = ("train", "--example", "seed", "--nproc", "2", "--checkpoint-dir", str(folder))
+    seed = ("train", "--example", "linear", "--nproc", "2", "--checkpoint-dir", str(folder))
     assert run_cli(*seed, "--epochs", "1").returncode == 0
     (written,) = list_checkpoints(folder)
     digits = ("train", "--example", "digits", "--nproc", "2", "--epochs", "1")
@@ -317,7 +318,7 @@ def test_resuming_another_models_checkpoint_is_refused_in_one_line(tmp_path: Pat
         assert "this job's model is torch.nn.Sequential (fingerprint " in line, (form, line)
         if form == "new":
             assert "written for torch.nn.Linear (fingerprint " in line, line
-            assert "by `python -m ddpkit train --example seed" in line, line
+            assert "by `python -m ddpkit train --example linear" in line, line
         assert "'weight'" in line and "--checkpoint-dir" in line, line
     resumed = run_cli(*seed, "--epochs", "2", "--resume")  # the right model: old format loads
     assert resumed.returncode == 0, resumed.stderr
@@ -338,7 +339,7 @@ def _fit_and_listen(ctx: DistContext, config: TrainConfig) -> list[list[str]]:
     handler = Listen(logging.INFO)
     logging.getLogger("ddpkit").addHandler(handler)
     try:
-        trainer = build_job(ctx, "seed", config).trainer(ctx, config, log_fn=heard.append)
+        trainer = build_job(ctx, "linear", config).trainer(ctx, config, log_fn=heard.append)
         trainer.fit()
     finally:
         logging.getLogger("ddpkit").removeHandler(handler)

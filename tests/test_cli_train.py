@@ -34,7 +34,7 @@ def test_default_job_trains_digits_on_every_core_to_95_percent() -> None:
 
 @pytest.mark.slow
 def test_seed_job_resumed_after_two_epochs_matches_four_straight(tmp_path: Path) -> None:
-    common = ("train", "--example", "seed", "--nproc", "2", "--json")
+    common = ("train", "--example", "linear", "--nproc", "2", "--json")
     straight = _result(run_cli(*common, "--epochs", "4", "--checkpoint-dir", str(tmp_path / "a")))
     first = _result(run_cli(*common, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "b")))
     resumed = run_cli(*common, "--epochs", "4", "--checkpoint-dir", str(tmp_path / "b"), "--resume")
@@ -54,7 +54,7 @@ def test_seed_job_resumed_after_two_epochs_matches_four_straight(tmp_path: Path)
 
 @pytest.mark.slow
 def test_a_resume_past_a_corrupt_checkpoint_warns_once(tmp_path: Path) -> None:
-    common = ("train", "--example", "seed", "--nproc", "2", "--checkpoint-dir", str(tmp_path))
+    common = ("train", "--example", "linear", "--nproc", "2", "--checkpoint-dir", str(tmp_path))
     _result(run_cli(*common, "--epochs", "2", "--json"))
     newest = tmp_path / "ckpt-000000064.pt"
     newest.write_bytes(newest.read_bytes()[:1000])

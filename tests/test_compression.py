@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import ConfigError, DistContext, launch
+from ddpkit import DistContext, launch
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.ranks import all_gather
 from tests.conftest import ROOT, run_cli
 
 JOBS = ROOT / "tests" / "shaped_jobs.py"
@@ -27,13 +29,13 @@ def _averaged_gradient(ctx: DistContext) -> tuple[float, float]:
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(ctx.rank))
     model(x).square().sum().backward()
     assert bare.weight.grad is not None
-    grads = ddpkit.all_gather(bare.weight.grad)  # the same tensor on both ranks
+    grads = all_gather(bare.weight.grad)  # the same tensor on both ranks
     # Each rank's own gradient, computed again without DDP.
     local = nn.Linear(64, 64)
     local.load_state_dict(bare.state_dict())
     local(x).square().sum().backward()
     assert local.weight.grad is not None
-    mean = ddpkit.all_gather(local.weight.grad).view(2, 64, 64).mean(0)
+    mean = all_gather(local.weight.grad).view(2, 64, 64).mean(0)
     ranks_apart = float((grads[0] - grads[1]).abs().max())
     # Against the largest gradient: where the ranks' gradients cancel, the mean is near
     # zero and an element's own relative error says nothing about the rounding.
@@ -86,7 +88,7 @@ def test_a_compressed_job_keeps_every_rank_equal_and_differs_from_full_precision
 @pytest.mark.slow
 def test_verify_shows_what_bf16_gradients_do() -> None:
     out = run_cli(
-        "verify", "--example", "seed", "--steps", "4", "--grad-compression", "bf16", "--json"
+        "verify", "--example", "linear", "--steps", "4", "--grad-compression", "bf16", "--json"
     )
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from ddpkit.cli.flags import add_config_flags
-from ddpkit.config import TrainConfig, parse_option
 from ddpkit.errors import ConfigError
+from ddpkit.training.config import TrainConfig, parse_option
 
 
 def test_defaults_are_valid_and_an_int_for_a_float_becomes_a_float() -> None:
@@ -88,6 +88,6 @@ def test_every_field_is_documented() -> None:
 
 
 def test_config_does_not_import_torch() -> None:
-    code = "import sys, ddpkit.config, ddpkit.cli.flags; print('torch' in sys.modules)"
+    code = "import sys, ddpkit.training.config, ddpkit.cli.flags; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from ddpkit.cli.config_file import load_config_file, merge_config
-from ddpkit.config import TrainConfig, validate_options
 from ddpkit.errors import ConfigError
-from ddpkit.examples import seed as seed_example
-from ddpkit.jobspec import load_job
+from ddpkit.examples import linear as linear_example
+from ddpkit.training.config import TrainConfig, validate_options
+from ddpkit.training.jobspec import load_job
 from tests.conftest import run_cli
 
 VALID_KEYS = [f.name for f in dataclasses.fields(TrainConfig) if f.init]
@@ -327,14 +327,14 @@ def clean_imports(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_builtin_example_with_its_defaults() -> None:
-    build, defaults = load_job("ddpkit.examples.seed:build")
-    assert build is seed_example.build
-    assert defaults == seed_example.DEFAULTS
-    assert defaults is not seed_example.DEFAULTS  # a copy the caller may change
+    build, defaults = load_job("ddpkit.examples.linear:build")
+    assert build is linear_example.build
+    assert defaults == linear_example.DEFAULTS
+    assert defaults is not linear_example.DEFAULTS  # a copy the caller may change
 
 
 JOB = """
-    from ddpkit.job import Job
+    from ddpkit.training.job import Job
     from helper_for_job import WIDTH
 
     DEFAULTS = {"epochs": 2, "batch_size": 4}
@@ -358,7 +358,7 @@ def test_job_from_a_file_path(tmp_path: Path, clean_imports: None) -> None:
     path = write(tmp_path / "jobs" / "my_file_job.py", JOB)
     build, defaults = load_job(f"{path}:build")
     assert defaults == {"epochs": 2, "batch_size": 4}
-    assert build(None) == 7  # type: ignore[comparison-overlap]  # imported its sibling
+    assert build(None) == 7  # imported its sibling
     module = sys.modules["my_file_job"]
     assert module.build is build and module.__file__ == str(path)
     assert str(path.parent) == sys.path[0]
@@ -374,7 +374,7 @@ def test_job_from_a_relative_file_path(
     write(tmp_path / "rel_job.py", "def build(ctx):\n    return 1\n")
     monkeypatch.chdir(tmp_path)
     build, defaults = load_job("rel_job.py:build")
-    assert defaults == {} and build(None) == 1  # type: ignore[comparison-overlap]
+    assert defaults == {} and build(None) == 1
 
 
 def test_job_from_a_module_on_sys_path(tmp_path: Path, clean_imports: None) -> None:
@@ -386,7 +386,8 @@ def test_job_from_a_module_on_sys_path(tmp_path: Path, clean_imports: None) -> N
 
 
 @pytest.mark.parametrize(
-    "spec", ["ddpkit.examples.seed", "ddpkit.examples.seed:", ":build", "mod:a-b", "C:\\x\\job.py"]
+    "spec",
+    ["ddpkit.examples.linear", "ddpkit.examples.linear:", ":build", "mod:a-b", "C:\\x\\job.py"],
 )
 def test_spec_without_module_and_function(spec: str) -> None:
     message = error_of(lambda: load_job(spec))
@@ -474,11 +475,11 @@ def test_file_named_like_a_module_already_imported(tmp_path: Path, clean_imports
 
 
 def test_missing_function_lists_functions_of_one_argument() -> None:
-    message = error_of(lambda: load_job("ddpkit.examples.seed:buld"))
-    assert "ddpkit.examples.seed has no attribute 'buld'" in message
+    message = error_of(lambda: load_job("ddpkit.examples.linear:buld"))
+    assert "ddpkit.examples.linear has no attribute 'buld'" in message
     assert "one of its functions that take (ctx) or (ctx, config): " in message
     listed = message.rsplit(": ", 1)[1].split(", ")
-    assert sorted(listed) == ["build", "dataset"]  # not Job, imported from ddpkit.job
+    assert sorted(listed) == ["build", "dataset"]  # not Job, imported from ddpkit.training.job
 
 
 def test_missing_function_in_a_module_without_candidates(
@@ -498,9 +499,9 @@ def test_missing_nested_attribute(tmp_path: Path, clean_imports: None) -> None:
 
 
 def test_not_callable() -> None:
-    message = error_of(lambda: load_job("ddpkit.examples.seed:DEFAULTS"))
-    assert "ddpkit.examples.seed:DEFAULTS is a dict, not a function" in message
-    assert "pass --job ddpkit.examples.seed:build" in message
+    message = error_of(lambda: load_job("ddpkit.examples.linear:DEFAULTS"))
+    assert "ddpkit.examples.linear:DEFAULTS is a dict, not a function" in message
+    assert "pass --job ddpkit.examples.linear:build" in message
 
 
 def test_function_that_cannot_take_one_argument(tmp_path: Path, clean_imports: None) -> None:
@@ -538,7 +539,7 @@ def test_callable_object_with_unreadable_signature_is_accepted(
 ) -> None:
     path = write(tmp_path / "builtin_job.py", "build = print\n")
     build, _ = load_job(f"{path}:build")
-    assert build is print  # type: ignore[comparison-overlap]
+    assert build is print
 
 
 def test_string_annotations_of_train_config_are_resolved() -> None:
@@ -570,6 +571,6 @@ def test_same_bad_value_same_message_from_python_file_and_flag(
     from_python = error_of(lambda: TrainConfig(**{name: value}))  # type: ignore[arg-type]
     path = write(tmp_path / "job.toml", f"{name} = {toml}\n")
     assert error_of(lambda: load_config_file(path)) == f"config file '{path}': {from_python}"
-    proc = run_cli("train", "--" + name.replace("_", "-"), flag, "--example", "seed")
+    proc = run_cli("train", "--" + name.replace("_", "-"), flag, "--example", "linear")
     assert proc.returncode == 2
     assert proc.stderr == f"ddpkit: error: {from_python}\n"

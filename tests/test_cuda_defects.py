@@ -20,14 +20,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from ddpkit import ConfigError, DistContext
-from ddpkit.checkpoint import load_checkpoint, save_checkpoint
+from ddpkit import DistContext
+from ddpkit.checkpoint.pt import load_checkpoint, save_checkpoint
+from ddpkit.checkpoint.state import load_state, save_state
 from ddpkit.cli import info
-from ddpkit.config import TrainConfig
-from ddpkit.data import prepare_loader
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.data import prepare_loader
 from ddpkit.seed import rng_state, set_rng_state
-from ddpkit.state import load_state, save_state
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.trainer import Trainer
 
 CPU = DistContext()
 GPU = DistContext(device=torch.device("cuda", 0), backend="nccl")  # never touches a GPU here

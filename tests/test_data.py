@@ -18,8 +18,9 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from ddpkit import ConfigError, DistContext, launch
-from ddpkit.data import ShardSampler, prepare_loader
+from ddpkit import DistContext, launch
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.data import ShardSampler, prepare_loader
 
 
 def _indices(n: int) -> TensorDataset:

@@ -20,10 +20,11 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit import Callback, ConfigError, DistContext, TrainConfig, Trainer, launch
-from ddpkit.data import prepare_loader
-from ddpkit.digest import model_digest, state_digest
-from ddpkit.model import unwrap
+from ddpkit import Callback, DistContext, TrainConfig, Trainer, launch
+from ddpkit.checkpoint.digest import model_digest, state_digest
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.data import prepare_loader
+from ddpkit.parallel.model import unwrap
 from ddpkit.seed import seed_everything
 
 

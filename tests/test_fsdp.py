@@ -13,9 +13,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 import ddpkit
-from ddpkit import ConfigError, DistContext, TrainConfig, launch
+from ddpkit import DistContext, TrainConfig, launch
+from ddpkit.checkpoint.digest import model_digest
+from ddpkit.errors import ConfigError, WorkerError
 from ddpkit.examples.digits import model as digits_model
-from ddpkit.fsdp import cpu_supported, shard_model
+from ddpkit.parallel.fsdp import cpu_supported, shard_model
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(
@@ -72,7 +74,7 @@ def _with_an_optimizer_instance(ctx: DistContext) -> None:
 
 
 def test_an_optimizer_built_before_sharding_is_refused_with_the_fix() -> None:
-    with pytest.raises(ddpkit.WorkerError, match=r"optimizer=lambda params"):
+    with pytest.raises(WorkerError, match=r"optimizer=lambda params"):
         launch(_with_an_optimizer_instance, nprocs=2)
     with pytest.raises(ConfigError, match="no module named decoder"):
         shard_model(nn.Linear(2, 2), DistContext.single("cpu"), blocks=["decoder"])
@@ -156,7 +158,7 @@ def _fit_uneven_stream(ctx: DistContext, strategy: str = "fsdp") -> list[Any]:
         log_fn=lambda s: None,
     )
     trainer.fit()
-    params = [ddpkit.fsdp.gathered(p).detach().clone() for p in trainer.model.parameters()]
+    params = [ddpkit.parallel.fsdp.gathered(p).detach().clone() for p in trainer.model.parameters()]
     ranks: list[Any] = [None] * ctx.world_size
     torch.distributed.all_gather_object(ranks, (trainer.global_step, params))
     return ranks
@@ -194,7 +196,7 @@ def _fsdp_job(ctx: DistContext, opts: dict[str, Any]) -> list[Any]:
         log_fn=lambda s: None,
     )
     fit = trainer.fit()
-    mine = (trainer.global_step, ddpkit.model_digest(trainer.model), fit.eval)
+    mine = (trainer.global_step, model_digest(trainer.model), fit.eval)
     ranks: list[Any] = [None] * ctx.world_size
     torch.distributed.all_gather_object(ranks, mine)
     return ranks

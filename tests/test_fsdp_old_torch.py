@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpkit.fsdp import cpu_supported
+from ddpkit.parallel.fsdp import cpu_supported
 from tests.conftest import run_cli
 
 

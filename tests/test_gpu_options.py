@@ -15,12 +15,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.data import Sampler, TensorDataset
 
-from ddpkit import DistContext, WorkerError, launch
-from ddpkit.config import TrainConfig
-from ddpkit.digest import model_digest
+from ddpkit import DistContext, launch
+from ddpkit.checkpoint.digest import model_digest
+from ddpkit.errors import WorkerError
+from ddpkit.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from ddpkit.seed import seed_everything
-from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.trainer import Trainer
 from tests.test_trainer_features import _Unequal  # rank 0: 10 samples, rank 1: 25
 
 

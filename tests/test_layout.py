@@ -75,3 +75,86 @@ def test_the_checker_never_imports_torch() -> None:
 def test_import_ddpkit_stays_lazy() -> None:
     code = "import sys, ddpkit; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# The layers, bottom first. A module imports only from its own layer or those below,
+# and within a layer only from its own package: `launch` and `records` know nothing of
+# each other, `checkpoint` nothing of the Trainer. Plain modules of the bottom layer
+# (errors, context, storage, ...) may use each other.
+LAYERS: list[tuple[str, ...]] = [
+    (
+        "ddpkit.errors",
+        "ddpkit.versions",
+        "ddpkit.context",
+        "ddpkit.userfiles",
+        "ddpkit.storage",
+        "ddpkit.collectives",
+        "ddpkit.seed",
+    ),
+    ("ddpkit.check", "ddpkit.launch", "ddpkit.records"),
+    ("ddpkit.parallel",),
+    ("ddpkit.checkpoint",),
+    ("ddpkit.training",),
+    ("ddpkit.examples", "ddpkit.verification"),
+    ("ddpkit.cli", "ddpkit"),
+]
+
+
+def _home(name: str) -> tuple[int, str]:
+    """The layer of module `name` and the package (or bottom-layer module) it is in."""
+    best: tuple[int, str] | None = None
+    for level, homes in enumerate(LAYERS):
+        for home in homes:
+            if (name == home or name.startswith(home + ".")) and (
+                best is None or len(home) > len(best[1])
+            ):
+                best = (level, home)
+    assert best is not None, f"{name} is in no layer of tests/test_layout.py"
+    return best
+
+
+def _ddpkit_imports(name: str, modules: set[str]) -> set[str]:
+    """The ddpkit modules that `name` imports (a name imported from a module counts as
+    that module)."""
+    found = set()
+    for target in _imported(name):
+        while target not in modules and "." in target:
+            target = target.rpartition(".")[0]
+        if target in modules and target != name and target.startswith("ddpkit"):
+            found.add(target)
+    return found
+
+
+def test_no_module_imports_from_a_layer_above_or_beside_it() -> None:
+    modules = set(_modules())
+    wrong = []
+    for name in sorted(modules):
+        level, home = _home(name)
+        for target in _ddpkit_imports(name, modules):
+            if name == "ddpkit" or target == "ddpkit":
+                continue  # the package's lazy exports; checked by the cycle test below
+            t_level, t_home = _home(target)
+            beside = t_level == level and t_home != home and level > 0
+            if t_level > level or beside:
+                wrong.append(f"{name} -> {target}")
+    assert wrong == []
+
+
+def test_no_import_circles() -> None:
+    """Counting every import statement: at module level, in functions, and for type
+    checking only."""
+    modules = set(_modules())
+    graph = {name: _ddpkit_imports(name, modules) - {"ddpkit"} for name in modules}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join([*path[path.index(name) :], name]))
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, [*path, name])
+        done.add(name)
+
+    for name in sorted(modules):
+        visit(name, [])

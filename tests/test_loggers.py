@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from ddpkit.cli.config_file import load_config_file
-from ddpkit.config import LOGGERS, TrainConfig, parse_option
 from ddpkit.errors import ConfigError
-from ddpkit.runlog import RunLog
+from ddpkit.records.runlog import RunLog
+from ddpkit.training.config import LOGGERS, TrainConfig, parse_option
 from tests.conftest import run_cli
 
 # What Trainer writes in two epochs of 3 steps each with a step line every 2 steps,
@@ -100,7 +100,7 @@ def test_an_unknown_logger_gets_one_line_naming_the_valid_ones(tmp_path: Path) -
     with pytest.raises(ConfigError) as from_file:
         load_config_file(toml)
     assert str(from_file.value) == f"config file '{toml}': {message}"
-    proc = run_cli("train", "--example", "seed", "--loggers", "csv,neptune", "--run-dir", "r")
+    proc = run_cli("train", "--example", "linear", "--loggers", "csv,neptune", "--run-dir", "r")
     assert proc.returncode == 2 and proc.stderr == f"ddpkit: error: {message}\n"
 
 
@@ -118,7 +118,7 @@ def test_loggers_need_a_run_folder() -> None:
 
 
 def test_every_logger_name_has_a_logger() -> None:
-    from ddpkit import loggers
+    from ddpkit.records import loggers
 
     assert set(LOGGERS) == set(loggers._START)
 
@@ -357,7 +357,7 @@ def test_wandb_that_cannot_start_a_run_is_one_line(
     monkeypatch.setenv("WANDB_MODE", "nonsense")
     code = (
         "import sys\n"
-        "from ddpkit.runlog import RunLog\n"
+        "from ddpkit.records.runlog import RunLog\n"
         "try:\n"
         "    RunLog(sys.argv[1], {'loggers': ['csv', 'wandb']}, enabled=True)\n"
         "except Exception as exc:\n"
@@ -382,7 +382,7 @@ def test_wandb_that_cannot_start_a_run_is_one_line(
 @pytest.mark.slow
 def test_ddpkit_train_with_loggers_csv_writes_the_csv_files(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    args = ("train", "--example", "seed", "--nproc", "1", "--epochs", "2", "--log-every", "32")
+    args = ("train", "--example", "linear", "--nproc", "1", "--epochs", "2", "--log-every", "32")
     for _ in range(2):  # the second run keeps the first one's files
         proc = run_cli(*args, "--loggers", "csv", "--run-dir", str(run))
         assert proc.returncode == 0, proc.stderr

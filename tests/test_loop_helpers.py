@@ -21,9 +21,12 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import ddpkit
-from ddpkit import ConfigError, DistContext, launch
-from ddpkit.model import find_ddp
-from ddpkit.precision import _autocast_problem
+from ddpkit import DistContext, launch
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.model import find_ddp
+from ddpkit.parallel.precision import _autocast_problem
+from ddpkit.parallel.ranks import all_gather, all_gather_object, broadcast_object
+from ddpkit.parallel.sync import no_backward_sync
 
 FP16_ON_CPU = _autocast_problem("cpu", torch.float16) is None
 
@@ -36,20 +39,18 @@ def _prints(ctx: DistContext) -> list[str]:
         ddpkit.print("each", ctx=ctx, all_ranks=True)
         ddpkit.print("a\nb", all_ranks=True, end="!\n")  # rank from the group
         ddpkit.print("no", "ctx", sep="-")
-    return ddpkit.all_gather_object(buf.getvalue())
+    return all_gather_object(buf.getvalue())
 
 
 def _collectives(ctx: DistContext) -> dict[str, Any]:
     ddpkit.barrier()
     r = ctx.rank
     return {
-        "rows": ddpkit.all_gather(torch.tensor([r, 10.0 * r])).tolist(),
-        "scalars": ddpkit.all_gather(torch.tensor(r)).tolist(),
-        "bools": ddpkit.all_gather(torch.tensor([r == 0, True])).tolist(),
-        "objects": ddpkit.all_gather_object({"rank": r}),
-        "broadcast": ddpkit.all_gather_object(
-            ddpkit.broadcast_object(f"from {r}", src=ctx.world_size - 1)
-        ),
+        "rows": all_gather(torch.tensor([r, 10.0 * r])).tolist(),
+        "scalars": all_gather(torch.tensor(r)).tolist(),
+        "bools": all_gather(torch.tensor([r == 0, True])).tolist(),
+        "objects": all_gather_object({"rank": r}),
+        "broadcast": all_gather_object(broadcast_object(f"from {r}", src=ctx.world_size - 1)),
     }
 
 
@@ -108,7 +109,7 @@ def _gathers(ctx: DistContext) -> dict[str, Any]:
     out["shuffled 2"] = _pass(loader)
     train = ddpkit.prepare_loader(data, ctx, 3, shuffle=False)  # ddpkit's, for training
     out["ddpkit train"] = _pass(train)
-    out["after a break"] = ddpkit.all_gather_object(_after_a_break(ctx, data))
+    out["after a break"] = all_gather_object(_after_a_break(ctx, data))
     whole: DataLoader[int] = DataLoader(
         data, batch_size=2, sampler=DistributedSampler(data, w, r, shuffle=False)
     )
@@ -159,16 +160,16 @@ def _no_sync(ctx: DistContext) -> dict[str, Any]:
     model = ddpkit.prepare_model(nn.Linear(3, 1), ctx)
     bare = copy.deepcopy(ddpkit.unwrap(model))
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(ctx.rank))
-    with ddpkit.no_backward_sync(model):
+    with no_backward_sync(model):
         model(x).square().mean().backward()
-    skipped = ddpkit.all_gather(_flat_grad(model))
+    skipped = all_gather(_flat_grad(model))
     bare(x).square().mean().backward()
     local = _flat_grad(bare)
     model.zero_grad()
-    with ddpkit.no_backward_sync(model, enabled=False):
+    with no_backward_sync(model, enabled=False):
         model(x).square().mean().backward()
-    synced = ddpkit.all_gather(_flat_grad(model))
-    locals_ = ddpkit.all_gather(local)
+    synced = all_gather(_flat_grad(model))
+    locals_ = all_gather(local)
     return {
         "wrapped": find_ddp(model) is not None,
         "skipped is local": torch.equal(skipped[ctx.rank], local),
@@ -203,7 +204,7 @@ def _accumulate(ctx: DistContext) -> dict[str, Any]:
         with acc.step(i):
             loss = nn.functional.mse_loss(model(x[rows]), y[rows]) / acc.group_size(i)
             loss.backward()  # type: ignore[no-untyped-call]
-        gathered = ddpkit.all_gather(_flat_grad(model))
+        gathered = all_gather(_flat_grad(model))
         if acc.should_step(i):
             grads_at_sync.append(all(torch.equal(g, gathered[0]) for g in gathered))
             opt.step()
@@ -218,7 +219,7 @@ def _accumulate(ctx: DistContext) -> dict[str, Any]:
         nn.functional.mse_loss(reference(x[rows]), y[rows]).backward()  # type: ignore[no-untyped-call]
         ref_opt.step()
         ref_opt.zero_grad()
-    params = ddpkit.all_gather(_flat_params(model))
+    params = all_gather(_flat_params(model))
     return {
         "steps": steps,
         "differ before sync": grads_before_sync,
@@ -252,7 +253,7 @@ def _precisions(ctx: DistContext) -> dict[str, Any]:
             prec.step(opt)
             opt.zero_grad()
             losses.append(float(loss.detach()))
-        params = ddpkit.all_gather(_flat_params(model))
+        params = all_gather(_flat_params(model))
         state = prec.state_dict()
         prec.load_state_dict(state)
         out[name] = {
@@ -320,10 +321,10 @@ def test_collectives_with_one_process_and_without_a_group(one: dict[str, Any]) -
     assert c["objects"] == [{"rank": 0}] and c["broadcast"] == ["from 0"]
     t = torch.arange(6.0).reshape(2, 3)
     ddpkit.barrier()
-    assert torch.equal(ddpkit.all_gather(t), t.unsqueeze(0))
-    assert ddpkit.all_gather_object("x") == ["x"]
+    assert torch.equal(all_gather(t), t.unsqueeze(0))
+    assert all_gather_object("x") == ["x"]
     sentinel = object()
-    assert ddpkit.broadcast_object(sentinel) is sentinel
+    assert broadcast_object(sentinel) is sentinel
     assert ddpkit.gather_for_metrics(t) is t
     assert ddpkit.gather_for_metrics((t, t)) == (t, t)
 
@@ -390,7 +391,7 @@ def test_no_backward_sync_on_a_bare_module(one: dict[str, Any]) -> None:
     s = one["no_sync"]
     assert not s["wrapped"]  # one process: prepare_model returns the bare module
     assert s["skipped is local"] and s["synced same"]
-    with ddpkit.no_backward_sync(nn.Linear(2, 1)):  # no DDP, no group: nothing to skip
+    with no_backward_sync(nn.Linear(2, 1)):  # no DDP, no group: nothing to skip
         pass
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import pytest
 
 import ddpkit
-from ddpkit.fsdp import cpu_supported
+from ddpkit.parallel.fsdp import cpu_supported
 from tests import matrix_jobs as mj
 from tests.matrix_jobs import FEATURES, STRATEGIES
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import ConfigError
-from ddpkit.launcher import start_method
+from ddpkit.errors import ConfigError
+from ddpkit.launch.launcher import start_method
 from tests.conftest import ROOT
 
 NOTEBOOK = ROOT / "tests" / "notebooks" / "launch.ipynb"
@@ -24,6 +24,7 @@ _INLINE = textwrap.dedent(
     import threading, time
     import torch, torch.distributed as dist
     import ddpkit
+    from ddpkit.errors import ConfigError
 
     def total(ctx, base):
         t = torch.tensor([base + ctx.rank])
@@ -39,7 +40,7 @@ _INLINE = textwrap.dedent(
     print("imported", ddpkit.launch(copy_of_main, nprocs=2), flush=True)
     try:
         ddpkit.launch(total, 30, nprocs=2, start="spawn")
-    except ddpkit.ConfigError as exc:
+    except ConfigError as exc:
         print("spawn:", exc, flush=True)
     """
 )

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.plot import (
+from ddpkit.records.plot import (
     _charts,
     _count,
     _eval_metrics,
@@ -288,7 +288,7 @@ def test_cli_empty_metrics_file_is_one_error_line(tmp_path: Path) -> None:
 
 
 def test_time_of_a_resumed_run_continues_where_it_stopped() -> None:
-    from ddpkit.plot import _continuous_time
+    from ddpkit.records.plot import _continuous_time
 
     times = [1.0, 2.0, None, 3.0, 0.5, 1.5, 0.2]  # resumed after 3.0 s, then after 1.5 s
     records = [{"kind": "step", "step": i, "time": t} for i, t in enumerate(times)]

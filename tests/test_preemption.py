@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 import ddpkit
-from ddpkit import DistContext, Preempted, TrainConfig, Trainer, launch
-from ddpkit.errors import PREEMPTED_EXIT
+from ddpkit import DistContext, TrainConfig, Trainer, launch
+from ddpkit.errors import PREEMPTED_EXIT, Preempted, WorkerError
 from tests.conftest import run_cli, wait_gone
 
 EPOCHS = 24
-SEED_JOB = ("train", "--example", "seed", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
+SEED_JOB = ("train", "--example", "linear", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
 TRIALS = 6
 
 
@@ -252,7 +252,7 @@ def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int, 
 
 
 def test_without_a_checkpoint_folder_a_signal_stops_at_once() -> None:
-    with pytest.raises(ddpkit.WorkerError, match="SystemExit: 143"):
+    with pytest.raises(WorkerError, match="SystemExit: 143"):
         launch(_fit_signalled, None, 1, signal.SIGTERM, nprocs=2)
 
 
@@ -261,14 +261,14 @@ RUN_JOB = """
 import sys
 
 import ddpkit
-from ddpkit.job import build_job
+from ddpkit.training.job import build_job
 
 
 def main(ctx, folder, resume):
     config = ddpkit.TrainConfig(epochs=30, checkpoint_dir=folder, resume=resume, progress=False)
-    trainer = build_job(ctx, "seed", config).trainer(ctx, config)
+    trainer = build_job(ctx, "linear", config).trainer(ctx, config)
     trainer.fit()
-    ddpkit.print("digest", ddpkit.model_digest(trainer.model))
+    ddpkit.print("digest", model_digest(trainer.model))
 
 
 if __name__ == "__main__":
@@ -335,7 +335,7 @@ class _StuckAfterTheSignal(ddpkit.Callback):
     """A rank that never reaches its save once a stop signal has come."""
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
-        from ddpkit.preemption import requested
+        from ddpkit.launch.preemption import requested
 
         if requested():
             time.sleep(600)

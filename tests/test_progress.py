@@ -16,11 +16,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddpkit import DistContext, launch
-from ddpkit.callbacks import Callback
-from ddpkit.config import TrainConfig
-from ddpkit.digest import state_digest
+from ddpkit.checkpoint.digest import state_digest
 from ddpkit.seed import seed_everything
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.trainer import Callback, Trainer
 
 
 def _data(n: int = 64) -> TensorDataset:

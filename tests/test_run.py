@@ -67,7 +67,8 @@ import os, signal, sys
 import torch
 from torch import nn
 import ddpkit
-from ddpkit.examples.seed import dataset
+from ddpkit.checkpoint.digest import model_digest
+from ddpkit.examples.linear import dataset
 
 def main(ctx, folder, kill):
     ddpkit.seed_everything(0)
@@ -87,7 +88,7 @@ def main(ctx, folder, kill):
     trainer = ddpkit.Trainer(model, opt, dataset(), ctx, config, loss_fn=loss_fn,
                              log_fn=lambda s: None)
     fit = trainer.fit()
-    return ddpkit.model_digest(trainer.model), fit.global_step
+    return model_digest(trainer.model), fit.global_step
 
 if __name__ == "__main__":
     digest, steps = ddpkit.launch(main, sys.argv[1], sys.argv[2] == "kill")
@@ -320,7 +321,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path: Path) -> None:
         "ddpkit",
         "train",
         "--example",
-        "seed",
+        "linear",
         "--epochs",
         "2",
         "--json",
@@ -344,7 +345,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path: Path) -> None:
     assert len(results) == 1  # one job, one result
     alone = json.loads(
         run_cli(
-            "train", "--example", "seed", "--epochs", "2", "--nproc", "2", "--json"
+            "train", "--example", "linear", "--epochs", "2", "--nproc", "2", "--json"
         ).stdout.splitlines()[-1]
     )
     assert results[0]["nproc"] == 2

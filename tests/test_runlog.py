@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from ddpkit import runlog
 from ddpkit.errors import ConfigError
-from ddpkit.runlog import RunLog
+from ddpkit.records import runlog
+from ddpkit.records.runlog import RunLog
 
 
 def _run(folder: Path, losses: list[float], *, resume: bool = False, **config: Any) -> RunLog:
@@ -70,7 +70,7 @@ def test_an_empty_record_is_not_kept_and_numbers_already_taken_are_skipped(
 _START_UNDER_A_SIZE_LIMIT = """
 import resource, signal, sys
 from ddpkit.errors import ConfigError
-from ddpkit.runlog import RunLog
+from ddpkit.records.runlog import RunLog
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))
 try:

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from ddpkit import DistContext
-from ddpkit.checkpoint import find_checkpoint, save_checkpoint, wait_for_checkpoints
-from ddpkit.fsdp import cpu_supported
+from ddpkit.checkpoint.pt import find_checkpoint, save_checkpoint, wait_for_checkpoints
+from ddpkit.parallel.fsdp import cpu_supported
 from tests.conftest import ROOT, run_cli
 
 CTX = DistContext.single("cpu")
@@ -82,7 +82,7 @@ _KILL_AT_EVERY_STEP = textwrap.dedent(
     import torch
 
     from ddpkit import DistContext
-    from ddpkit.checkpoint import save_checkpoint, wait_for_checkpoints
+    from ddpkit.checkpoint.pt import save_checkpoint, wait_for_checkpoints
 
     root, kind = Path(sys.argv[1]), sys.argv[2]
     ctx = DistContext.single("cpu")

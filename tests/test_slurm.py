@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit import ConfigError
-from ddpkit.slurm import SlurmStep, expand_hostlist, slurm_step
+from ddpkit.errors import ConfigError
+from ddpkit.launch.slurm import SlurmStep, expand_hostlist, slurm_step
 from tests.conftest import ROOT
 
 
@@ -45,10 +45,11 @@ def test_the_step_gives_nodes_rank_address_and_a_port_from_the_job_id() -> None:
 
 SCRIPT = """
 import ddpkit
+from ddpkit.parallel.ranks import all_gather_object
 
 
 def main(ctx):
-    ranks = ddpkit.all_gather_object(ctx.rank)
+    ranks = all_gather_object(ctx.rank)
     ddpkit.print("world", ctx.world_size, "ranks", ranks)
 
 

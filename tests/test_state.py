@@ -27,10 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ddpkit import (
-    CheckpointError,
-    ConfigError,
     DistContext,
-    WorkerError,
     launch,
     load_state,
     prepare_loader,
@@ -38,8 +35,9 @@ from ddpkit import (
     reduce_mean,
     save_state,
 )
-from ddpkit.checkpoint import list_checkpoints, load_checkpoint
-from ddpkit.digest import model_digest, state_digest
+from ddpkit.checkpoint.digest import model_digest, state_digest
+from ddpkit.checkpoint.pt import list_checkpoints, load_checkpoint
+from ddpkit.errors import CheckpointError, ConfigError, WorkerError
 from ddpkit.seed import rank_seed, seed_everything
 from tests.conftest import ROOT
 

@@ -18,9 +18,7 @@ import torch
 from torch import nn
 
 from ddpkit import (
-    CheckpointError,
     DistContext,
-    WorkerError,
     launch,
     load_state,
     prepare_loader,
@@ -28,9 +26,10 @@ from ddpkit import (
     reduce_mean,
     save_state,
 )
-from ddpkit.checkpoint import list_checkpoints, load_checkpoint
-from ddpkit.digest import model_digest, state_digest
-from ddpkit.fsdp import as_sharded, cpu_supported
+from ddpkit.checkpoint.digest import model_digest, state_digest
+from ddpkit.checkpoint.pt import list_checkpoints, load_checkpoint
+from ddpkit.errors import CheckpointError, WorkerError
+from ddpkit.parallel.fsdp import as_sharded, cpu_supported
 from ddpkit.seed import rank_seed, seed_everything
 from tests.test_state import BATCH, EPOCHS, SAVE_EVERY, _all_ranks, _Augmented, _net
 

@@ -1,4 +1,4 @@
-"""ddpkit.syncbn: synchronized BatchNorm on CPU, checked on 2 real gloo processes.
+"""ddpkit.parallel.syncbn: synchronized BatchNorm on CPU, checked on 2 real gloo processes.
 
 The reference for every multi-rank check is plain `nn.BatchNorm*` run in one process
 on the whole global batch. Workers compare against it themselves (both ranks build the
@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.launcher import launch
-from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from ddpkit.launch.launcher import launch
+from ddpkit.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
 
 TOL64 = 1e-9  # float64 math: only summation order differs from the reference
 Errors = dict[str, float]

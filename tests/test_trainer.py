@@ -11,13 +11,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import TensorDataset
 
-from ddpkit import ConfigError, DistContext, launch
-from ddpkit.config import TrainConfig
-from ddpkit.digest import model_digest
-from ddpkit.model import prepare_model, unwrap
+from ddpkit import DistContext, launch
+from ddpkit.checkpoint.digest import model_digest
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.model import prepare_model, unwrap
+from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.seed import seed_everything
-from ddpkit.syncbn import SyncBatchNorm
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.trainer import Trainer
 
 
 def _bn_net() -> nn.Module:

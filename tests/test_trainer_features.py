@@ -16,12 +16,12 @@ from torch.utils.data import IterableDataset, Sampler, TensorDataset
 
 import ddpkit
 from ddpkit import DistContext, launch
-from ddpkit.callbacks import Callback, EarlyStopping
-from ddpkit.checkpoint import latest_checkpoint
-from ddpkit.config import TrainConfig
-from ddpkit.digest import model_digest, state_digest
+from ddpkit.checkpoint.digest import model_digest, state_digest
+from ddpkit.checkpoint.pt import latest_checkpoint
+from ddpkit.errors import WorkerError
 from ddpkit.seed import seed_everything
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.trainer import Callback, EarlyStopping, Trainer
 
 
 def _data(n: int = 96) -> TensorDataset:
@@ -277,7 +277,7 @@ def _fit_stream_resumable(ctx: DistContext, folder: str, stop: int | None) -> li
 def test_uneven_stream_resumes_from_a_save_after_the_short_shard_ran_out(tmp_path: Path) -> None:
     straight = launch(_fit_stream_resumable, str(tmp_path / "a"), None, nprocs=2, hang_timeout=60)
     folder = str(tmp_path / "b")
-    with pytest.raises(ddpkit.WorkerError, match="stopped after saving step 4"):
+    with pytest.raises(WorkerError, match="stopped after saving step 4"):
         launch(_fit_stream_resumable, folder, 4, nprocs=2, hang_timeout=60)  # rank 0 ran out
     resumed = launch(_fit_stream_resumable, folder, None, nprocs=2, hang_timeout=60)
     assert resumed[0] == resumed[1] == straight[0] == straight[1]
@@ -343,7 +343,7 @@ def test_mid_epoch_resume_on_another_world_size_trains_each_sample_once(
     tmp_path: Path, before: int, after: int
 ) -> None:
     folder, record = str(tmp_path / "ck"), str(tmp_path / "record")
-    with pytest.raises((ddpkit.WorkerError, RuntimeError), match="stopped after saving step 3"):
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 3"):
         launch(_fit_recording, folder, record, 3, nprocs=before)
     launch(_fit_recording, folder, record + "-resumed", None, nprocs=after)
     assert _trained(tmp_path) == [list(range(40)), list(range(40))]
@@ -373,7 +373,7 @@ def _fit_batchnorm(ctx: DistContext, strategy: str) -> list[Any]:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_per_rank_batchnorm_ends_with_the_same_buffers_on_every_rank(strategy: str) -> None:
-    if strategy == "fsdp" and not ddpkit.fsdp.cpu_supported():
+    if strategy == "fsdp" and not ddpkit.parallel.fsdp.cpu_supported():
         pytest.skip("FSDP2 on CPU ranks needs torch >= 2.7")
     ranks = launch(_fit_batchnorm, strategy, nprocs=2)
     assert len(ranks[0]) == 3  # running mean, variance and the batch count

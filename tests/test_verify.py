@@ -9,13 +9,14 @@ import pytest
 
 import ddpkit
 from ddpkit.errors import ConfigError
+from ddpkit.verification import VerifyReport
 from tests import verify_jobs
 from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("example", ["seed", "digits"])
+@pytest.mark.parametrize("example", ["linear", "digits"])
 @pytest.mark.parametrize("check", [[], ["--resume"]], ids=["equivalence", "resume"])
 def test_the_examples_pass(example: str, check: list[str]) -> None:
     proc = run_cli("verify", "--example", example, "--steps", "6", "--json", *check)
@@ -27,7 +28,7 @@ def test_the_examples_pass(example: str, check: list[str]) -> None:
         assert len(report["max_abs_diff"]) == 7 and max(report["tolerance_used"]) <= 1
 
 
-def _fails_with(report: ddpkit.VerifyReport, *words: str) -> None:
+def _fails_with(report: VerifyReport, *words: str) -> None:
     assert not report.passed, str(report)
     text = " ".join(report.causes)
     assert all(w in text for w in words), str(report)
@@ -128,7 +129,7 @@ def test_a_summed_loss_is_named_and_exits_1() -> None:
 )
 def test_bad_input_is_one_line(args: list[str], words: str) -> None:
     proc = (
-        run_cli("verify", "--example", "seed", *args)
+        run_cli("verify", "--example", "linear", *args)
         if "--example" not in args
         else run_cli("verify", *args)
     )
@@ -138,7 +139,7 @@ def test_bad_input_is_one_line(args: list[str], words: str) -> None:
 
 def test_the_python_api_rejects_one_process() -> None:
     with pytest.raises(ConfigError, match="N >= 2"):
-        ddpkit.verify("seed", nproc=1)
+        ddpkit.verify("linear", nproc=1)
 
 
 def test_jobs_of_dict_and_dataclass_batches_built_from_the_config_pass() -> None:

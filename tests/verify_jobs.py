@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import Dataset, SequentialSampler, TensorDataset
 
 import ddpkit
-from ddpkit.examples.seed import dataset
+from ddpkit.examples.linear import dataset
 
 
 def _job(ctx: ddpkit.DistContext, model: nn.Module, lr: float = 1e-2) -> ddpkit.Job:

@@ -1,7 +1,10 @@
 """ddpkit: a single-GPU PyTorch job on every GPU (or CPU core) of a machine, with DDP.
 
-Names are imported lazily so that `import ddpkit` (and `ddpkit check`, which never
-needs torch) starts fast; `from ddpkit import launch` works as usual.
+These are the names a training script calls; everything else lives in the package
+that owns it (`ddpkit.launch`, `ddpkit.parallel`, `ddpkit.checkpoint`,
+`ddpkit.training`, `ddpkit.records`, `ddpkit.verification`), listed in the API
+reference. Names are imported lazily so that `import ddpkit` (and `ddpkit check`,
+which never needs torch) starts fast; `from ddpkit import launch` works as usual.
 """
 
 from __future__ import annotations
@@ -11,96 +14,56 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> the module that defines it
 _EXPORTS = {
+    "launch": "ddpkit.launch.launcher",
     "DistContext": "ddpkit.context",
-    "DdpkitError": "ddpkit.errors",
-    "ConfigError": "ddpkit.errors",
-    "CheckpointError": "ddpkit.errors",
-    "WorkerError": "ddpkit.errors",
-    "HangError": "ddpkit.errors",
-    "Preempted": "ddpkit.errors",
-    "rank_zero_first": "ddpkit.distributed",
-    "launch": "ddpkit.launcher",
-    "prepare_model": "ddpkit.model",
-    "unwrap": "ddpkit.model",
-    "prepare_loader": "ddpkit.data",
-    "reduce_sum": "ddpkit.metrics",
-    "reduce_sums": "ddpkit.metrics",
-    "reduce_mean": "ddpkit.metrics",
-    "save_checkpoint": "ddpkit.checkpoint",
-    "load_checkpoint": "ddpkit.checkpoint",
-    "latest_checkpoint": "ddpkit.checkpoint",
-    "wait_for_checkpoints": "ddpkit.checkpoint",
-    "save_state": "ddpkit.state",
-    "load_state": "ddpkit.state",
-    "model_digest": "ddpkit.digest",
+    "Trainer": "ddpkit.training.trainer",
+    "TrainConfig": "ddpkit.training.config",
+    "Callback": "ddpkit.training.trainer",
+    "Job": "ddpkit.training.job",
+    "prepare_model": "ddpkit.parallel.model",
+    "prepare_loader": "ddpkit.parallel.data",
+    "unwrap": "ddpkit.parallel.model",
+    "Precision": "ddpkit.parallel.precision",
+    "accumulate": "ddpkit.parallel.sync",
+    "convert_sync_batchnorm": "ddpkit.parallel.syncbn",
     "seed_everything": "ddpkit.seed",
-    "rank_seed": "ddpkit.seed",
-    "SyncBatchNorm": "ddpkit.syncbn",
-    "convert_sync_batchnorm": "ddpkit.syncbn",
-    "Trainer": "ddpkit.trainer",
-    "TrainConfig": "ddpkit.config",
-    "Callback": "ddpkit.callbacks",
-    "EarlyStopping": "ddpkit.callbacks",
-    "FitResult": "ddpkit.trainer",
-    "Job": "ddpkit.job",
+    "save_state": "ddpkit.checkpoint.state",
+    "load_state": "ddpkit.checkpoint.state",
+    "wait_for_checkpoints": "ddpkit.checkpoint.pt",
+    "print": "ddpkit.parallel.ranks",
+    "barrier": "ddpkit.parallel.ranks",
+    "gather_for_metrics": "ddpkit.parallel.ranks",
+    "reduce_sum": "ddpkit.parallel.ranks",
+    "reduce_mean": "ddpkit.parallel.ranks",
+    "rank_zero_first": "ddpkit.parallel.ranks",
     "verify": "ddpkit.verification",
-    "VerifyReport": "ddpkit.verification",
-    "print": "ddpkit.ranks",
-    "barrier": "ddpkit.ranks",
-    "all_gather": "ddpkit.ranks",
-    "all_gather_object": "ddpkit.ranks",
-    "broadcast_object": "ddpkit.ranks",
-    "gather_for_metrics": "ddpkit.ranks",
-    "no_backward_sync": "ddpkit.sync",
-    "accumulate": "ddpkit.sync",
-    "Accumulation": "ddpkit.sync",
-    "Precision": "ddpkit.precision",
+    "DdpkitError": "ddpkit.errors",
 }
 
 # `print` is public as `ddpkit.print`, but left out of `from ddpkit import *`, which
 # would shadow the builtin.
 __all__ = [
-    "Accumulation",
     "Callback",
-    "CheckpointError",
-    "ConfigError",
     "DdpkitError",
     "DistContext",
-    "EarlyStopping",
-    "FitResult",
-    "HangError",
     "Job",
     "Precision",
-    "Preempted",
-    "SyncBatchNorm",
     "TrainConfig",
     "Trainer",
-    "VerifyReport",
-    "WorkerError",
     "__version__",
     "accumulate",
-    "all_gather",
-    "all_gather_object",
     "barrier",
-    "broadcast_object",
     "convert_sync_batchnorm",
     "gather_for_metrics",
-    "latest_checkpoint",
     "launch",
-    "load_checkpoint",
     "load_state",
-    "model_digest",
-    "no_backward_sync",
     "prepare_loader",
     "prepare_model",
-    "rank_seed",
     "rank_zero_first",
     "reduce_mean",
     "reduce_sum",
-    "reduce_sums",
-    "save_checkpoint",
     "save_state",
     "seed_everything",
     "unwrap",
@@ -109,47 +72,31 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ddpkit.callbacks import Callback, EarlyStopping
-    from ddpkit.checkpoint import (
-        latest_checkpoint,
-        load_checkpoint,
-        save_checkpoint,
-        wait_for_checkpoints,
-    )
-    from ddpkit.config import TrainConfig
+    from ddpkit.checkpoint.pt import wait_for_checkpoints
+    from ddpkit.checkpoint.state import load_state, save_state
     from ddpkit.context import DistContext
-    from ddpkit.data import prepare_loader
-    from ddpkit.digest import model_digest
-    from ddpkit.distributed import rank_zero_first
-    from ddpkit.errors import (
-        CheckpointError,
-        ConfigError,
-        DdpkitError,
-        HangError,
-        Preempted,
-        WorkerError,
-    )
-    from ddpkit.job import Job
-    from ddpkit.launcher import launch
-    from ddpkit.metrics import reduce_mean, reduce_sum, reduce_sums
-    from ddpkit.model import prepare_model, unwrap
-    from ddpkit.precision import Precision
-    from ddpkit.ranks import (
-        all_gather,
-        all_gather_object,
+    from ddpkit.errors import DdpkitError
+    from ddpkit.launch.launcher import launch
+    from ddpkit.parallel.data import prepare_loader
+    from ddpkit.parallel.model import prepare_model, unwrap
+    from ddpkit.parallel.precision import Precision
+    from ddpkit.parallel.ranks import (
         barrier,
-        broadcast_object,
         gather_for_metrics,
+        rank_zero_first,
+        reduce_mean,
+        reduce_sum,
     )
-    from ddpkit.ranks import (
+    from ddpkit.parallel.ranks import (
         print as print,
     )
-    from ddpkit.seed import rank_seed, seed_everything
-    from ddpkit.state import load_state, save_state
-    from ddpkit.sync import Accumulation, accumulate, no_backward_sync
-    from ddpkit.syncbn import SyncBatchNorm, convert_sync_batchnorm
-    from ddpkit.trainer import FitResult, Trainer
-    from ddpkit.verification import VerifyReport, verify
+    from ddpkit.parallel.sync import accumulate
+    from ddpkit.parallel.syncbn import convert_sync_batchnorm
+    from ddpkit.seed import seed_everything
+    from ddpkit.training.config import TrainConfig
+    from ddpkit.training.job import Job
+    from ddpkit.training.trainer import Callback, Trainer
+    from ddpkit.verification import verify
 
 
 def __getattr__(name: str) -> Any:

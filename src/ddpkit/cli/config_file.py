@@ -2,7 +2,7 @@
 
 `ddpkit train` merges `defaults < job DEFAULTS < file < flags` with `merge_config`
 before building `TrainConfig`. The file's values are checked by
-`ddpkit.config.validate_options`, as every other source of options is.
+`ddpkit.training.config.validate_options`, as every other source of options is.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.config import describe, validate_options
 from ddpkit.errors import ConfigError
+from ddpkit.training.config import describe, validate_options
 from ddpkit.userfiles import NotRegularFile, read_regular
 
 if sys.version_info >= (3, 11):

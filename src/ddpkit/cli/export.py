@@ -30,10 +30,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.checkpoint import atomic_save, find_checkpoint, load_checkpoint
+    from ddpkit.checkpoint.pt import atomic_save, find_checkpoint, load_checkpoint
+    from ddpkit.checkpoint.sharded import damage
     from ddpkit.context import DistContext
-    from ddpkit.model import strip_prefixes
-    from ddpkit.sharded import damage
+    from ddpkit.parallel.model import strip_prefixes
 
     source, out = Path(args.checkpoint), Path(args.out)
     ctx = DistContext.single("cpu")

@@ -15,8 +15,8 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-from ddpkit.config import TrainConfig, field_type, parse_option
 from ddpkit.errors import ConfigError
+from ddpkit.training.config import TrainConfig, field_type, parse_option
 
 # More CPU processes than cores runs slower (a warning); more than this many times the
 # cores is refused without --allow-oversubscribe: a typo (--nproc 100000) that would
@@ -37,7 +37,7 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.set_defaults(parser=p)
     job = p.add_mutually_exclusive_group()
-    job.add_argument("--example", help="built-in job: digits (the default) or seed")
+    job.add_argument("--example", help="built-in job: digits (the default) or linear")
     job.add_argument(
         "--job",
         metavar="MODULE:FUNCTION",
@@ -53,7 +53,7 @@ def add_config_flags(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> 
     """One flag per TrainConfig field but `skip`, with the field's help; None if not given.
 
     The flags take text as it is (no argparse `type=` or `choices=`): `job_and_config`
-    converts and checks it with `ddpkit.config`, so a bad value reads as it would in
+    converts and checks it with `ddpkit.training.config`, so a bad value reads as it would in
     Python or in a TOML file.
     """
     options = p.add_argument_group("training options (TrainConfig; flags win over --config)")
@@ -82,8 +82,7 @@ def print_job_help(args: argparse.Namespace) -> int:
     argparse prints help while it parses, before it knows which job `--job` names, so
     `-h` only sets a flag and the help is printed here, once the job's DEFAULTS (which
     override TrainConfig's) are known."""
-    from ddpkit.examples import example_module
-    from ddpkit.jobspec import load_job
+    from ddpkit.training.jobspec import example_module, load_job
 
     if args.job is not None:  # "" too: it names no job, and load_job says so
         job, defaults = args.job, load_job(args.job)[1]
@@ -131,8 +130,7 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
     """The job the flags name (an example's name or a MODULE:FUNCTION spec) and its
     TrainConfig: the job's DEFAULTS, then --config's file, then the flags."""
     from ddpkit.cli.config_file import load_config_file, merge_config
-    from ddpkit.examples import example_module
-    from ddpkit.jobspec import load_job
+    from ddpkit.training.jobspec import example_module, load_job
 
     # First the flags and the file: a bad one costs no import of the job.
     flags = _flag_values(args)
@@ -159,7 +157,9 @@ def add_oversubscribe_flag(p: argparse.ArgumentParser) -> None:
 def check_processes(flag: str, count: int, *, allow: bool) -> None:
     """Warn when `flag`'s `count` processes exceed the CPU cores; refuse (ConfigError)
     more than OVERSUBSCRIBE_LIMIT times the cores, unless `allow`."""
-    from ddpkit.launcher import cpu_count  # torch: the commands that call this load it anyway
+    from ddpkit.launch.launcher import (
+        cpu_count,  # torch: the commands that call this load it anyway
+    )
 
     cores = cpu_count()
     if allow or count <= cores:

@@ -11,8 +11,8 @@ from typing import Any
 
 from ddpkit.errors import ConfigError
 
-# The choices only: ddpkit.plot itself imports nothing heavy (matplotlib is imported when drawing).
-from ddpkit.plot import X_AXES
+# The choices only: ddpkit.records.plot imports nothing heavy (matplotlib only when drawing).
+from ddpkit.records.plot import X_AXES
 
 HELP = "draw loss, eval, throughput, lr and grad_norm charts (PNG) of one or more run folders"
 _DEFAULT_MULTI_OUT = "plots"
@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.plot import plot_runs
+    from ddpkit.records.plot import plot_runs
 
     logging.basicConfig(level=logging.WARNING, format="ddpkit: warning: %(message)s")
     run_dirs: list[str] = args.run_dirs

@@ -24,9 +24,9 @@ from ddpkit.cli.flags import (
     job_and_config,
     print_job_help,
 )
-from ddpkit.diagnosis.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, Preempted
-from ddpkit.preemption import DEFAULT_SIGNAL_GRACE
+from ddpkit.launch.preemption import DEFAULT_SIGNAL_GRACE
+from ddpkit.launch.report import DEFAULT_HANG_TIMEOUT
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
     job_name, config = job_and_config(args)
     # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
-    from ddpkit.checkpoint import check_writable, find_checkpoint
+    from ddpkit.checkpoint.pt import check_writable, find_checkpoint
     from ddpkit.context import DistContext
-    from ddpkit.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
+    from ddpkit.launch.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
 
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
     check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
     if config.strategy == "fsdp" and backend == "gloo":
-        from ddpkit.fsdp import check_on_cpu
+        from ddpkit.parallel.fsdp import check_on_cpu
 
         check_on_cpu(config.fsdp_offload)
     if config.run_dir is not None:
@@ -150,7 +150,7 @@ def _resume_command(config: Any) -> str:
 
 def _what_is_saved(config: Any) -> str:
     """After an interrupt: the checkpoint a run can go on from, and how; or why none."""
-    from ddpkit.checkpoint import list_checkpoints
+    from ddpkit.checkpoint.pt import list_checkpoints
 
     if config.checkpoint_dir is None:
         return "nothing was saved (no --checkpoint-dir): pass --checkpoint-dir DIR to resume later"
@@ -183,8 +183,8 @@ def check_folder(name: str, path: str) -> None:
 
 def train_worker(ctx: Any, job_name: str, config: Any) -> dict[str, Any]:
     """Runs on every rank: build the job, train it, describe the result (rank 0's wins)."""
-    from ddpkit.digest import model_digest
-    from ddpkit.job import build_job
+    from ddpkit.checkpoint.digest import model_digest
+    from ddpkit.training.job import build_job
 
     trainer = build_job(ctx, job_name, config).trainer(ctx, config)
     fit = trainer.fit()

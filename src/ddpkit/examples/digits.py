@@ -9,7 +9,7 @@ from torch.utils.data import TensorDataset
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.job import Job
+from ddpkit.training.job import Job
 
 DEFAULTS = {"epochs": 10, "batch_size": 32}
 TEST_FRACTION = 0.2

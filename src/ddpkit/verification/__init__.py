@@ -16,8 +16,8 @@ and `runs` (what both checks' runs share).
 
 from __future__ import annotations
 
-from ddpkit.config import TrainConfig
-from ddpkit.job import JobRef
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import JobRef
 from ddpkit.verification.equivalence import check_equivalence
 from ddpkit.verification.report import VerifyReport
 from ddpkit.verification.resume import check_resume

@@ -21,17 +21,16 @@ from torch import nn
 from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.callbacks import Callback
-from ddpkit.config import TrainConfig
+from ddpkit.checkpoint.digest import state_digest, tensor_digest
 from ddpkit.context import DistContext
-from ddpkit.digest import state_digest, tensor_digest
 from ddpkit.errors import ConfigError
-from ddpkit.job import JobRef
-from ddpkit.launcher import launch
-from ddpkit.model import unwrap
+from ddpkit.launch.launcher import launch
+from ddpkit.parallel.model import unwrap
+from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.seed import rng_state
-from ddpkit.syncbn import SyncBatchNorm
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import JobRef
+from ddpkit.training.trainer import Callback, Trainer
 from ddpkit.verification.causes import datasets_differ, equivalence_causes
 from ddpkit.verification.probe import probe_dataset
 from ddpkit.verification.recording import (

@@ -15,7 +15,7 @@ from typing import Any, TypedDict
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from ddpkit.digest import state_digest
+from ddpkit.checkpoint.digest import state_digest
 from ddpkit.seed import rng_state, seed_everything, set_rng_state
 
 PROBE_SEED = 0

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from ddpkit.callbacks import Callback
-from ddpkit.trainer import Trainer
+from ddpkit.training.trainer import Callback, Trainer
 
 # (epoch, rank, index, occurrence): occurrence counts the earlier fetches of the same
 # index by the same rank in the same epoch (a sampler may repeat an index).

@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from ddpkit.batches import map_tensors
-from ddpkit.callbacks import Callback
-from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
-from ddpkit.job import JobRef, build_job
-from ddpkit.launcher import launch
+from ddpkit.launch.launcher import launch
+from ddpkit.parallel.batches import map_tensors
 from ddpkit.seed import rng_state
-from ddpkit.trainer import Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import JobRef, build_job
+from ddpkit.training.trainer import Callback, Trainer
 from ddpkit.verification.causes import resume_causes, unseeded_cause
 from ddpkit.verification.probe import probe_dataset
 from ddpkit.verification.report import VerifyReport

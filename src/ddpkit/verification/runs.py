@@ -13,16 +13,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
-from ddpkit.batches import map_tensors
-from ddpkit.callbacks import Callback
-from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.fsdp import gathered
-from ddpkit.job import Job, JobRef, build_job
-from ddpkit.launcher import under_torchrun
-from ddpkit.model import unwrap
-from ddpkit.trainer import Trainer
+from ddpkit.launch.launcher import under_torchrun
+from ddpkit.parallel.batches import map_tensors
+from ddpkit.parallel.fsdp import gathered
+from ddpkit.parallel.model import unwrap
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import Job, JobRef, build_job
+from ddpkit.training.trainer import Callback, Trainer
 
 DEFAULT_STEPS = 8
 LogFn = Callable[[str], None] | None

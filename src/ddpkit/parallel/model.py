@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpkit.compression import bf16_allreduce_hook
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.compression import bf16_allreduce_hook
 
 log = logging.getLogger("ddpkit")
 
@@ -54,13 +54,13 @@ def prepare_model(
         broadcast_buffers: copy rank 0's buffers to every rank before each forward
             (with either strategy).
         strategy: "ddp" replicates the model on every rank; "fsdp" shards its
-            parameters, gradients and optimizer state over the ranks (`ddpkit.fsdp`),
+            parameters, gradients and optimizer state over the ranks (`ddpkit.parallel.fsdp`),
             for models that do not fit on one device. With "fsdp", build the optimizer
             after this call, on the returned model's parameters.
-        fsdp: options of `ddpkit.fsdp.shard_model` (`blocks`, `min_params`,
+        fsdp: options of `ddpkit.parallel.fsdp.shard_model` (`blocks`, `min_params`,
             `precision`, `offload`, `reshard_after_forward`).
         grad_compression: "bf16" all-reduces gradients in bfloat16
-            (`ddpkit.compression`: half the bytes, each gradient rounded to ~3 digits);
+            (`ddpkit.parallel.compression`: half the bytes, each gradient rounded to ~3 digits);
             "none" sends them as they are.
 
     Returns:
@@ -81,7 +81,7 @@ def prepare_model(
     if not ctx.distributed:
         return model
     if sync_batchnorm:
-        from ddpkit.syncbn import convert_sync_batchnorm
+        from ddpkit.parallel.syncbn import convert_sync_batchnorm
 
         model, converted = convert_sync_batchnorm(model, ctx.device.type)
         if converted and ctx.is_main:
@@ -91,7 +91,7 @@ def prepare_model(
                 converted,
             )
     if strategy == "fsdp":
-        from ddpkit.fsdp import shard_model
+        from ddpkit.parallel.fsdp import shard_model
 
         sharded = shard_model(model, ctx, **(fsdp or {}))
         if broadcast_buffers and any(True for _ in sharded.buffers()):

@@ -4,7 +4,7 @@
 `{"kind": "step", ...}` every `log_every` optimizer steps (rank 0's numbers, so no rank
 waits on another) and `{"kind": "epoch", ...}` after each epoch (numbers over all
 ranks). The loggers that the config's `loggers` names (csv, tensorboard, mlflow,
-wandb: see `ddpkit.loggers`) get the same records. `ddpkit plot RUN_DIR` draws them.
+wandb: see `ddpkit.records.loggers`) get the same records. `ddpkit plot RUN_DIR` draws them.
 
 A new run (the config's `resume` false) into a folder whose metrics.jsonl (or CSV
 file) already holds records keeps the last run's files under the first number N that
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ddpkit.errors import ConfigError
-from ddpkit.loggers import (
+from ddpkit.records.loggers import (
     CSV_FILES,
     Logger,
     check_installed,

@@ -74,7 +74,7 @@ def check_installed(names: Iterable[str]) -> None:
 
 
 def start_logger(name: str, folder: Path, config: Mapping[str, Any]) -> Logger:
-    """The logger `name` (one of ddpkit.config.LOGGERS), started, writing into the run
+    """The logger `name` (one of ddpkit.training.config.LOGGERS), started, writing into the run
     folder `folder`; `config` is the run's, for the trackers' params."""
     logger: Logger = _START[name](folder, config)
     return logger
@@ -320,7 +320,7 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-# One for each name of ddpkit.config.LOGGERS.
+# One for each name of ddpkit.training.config.LOGGERS.
 _START: dict[str, Any] = {
     "csv": CsvLogger,
     "tensorboard": TensorBoardLogger,

@@ -1,5 +1,5 @@
 """Talking across ranks in a hand-written loop: print once, wait for everyone, gather
-tensors, objects and per-sample metrics.
+tensors, objects and per-sample metrics, reduce numbers, let rank 0 go first.
 
 Every function here works in any process: with one process, or before any process
 group exists, the collectives return their input (as a one-rank result) at once. Call
@@ -10,8 +10,9 @@ the others waiting.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
 
@@ -22,6 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.launch.watchdog import expect
 
 T = TypeVar("T")
 
@@ -103,7 +105,7 @@ def all_gather(tensor: torch.Tensor) -> torch.Tensor:
     result is `tensor.unsqueeze(0)`. The result is on `tensor`'s device and carries no
     gradient. A collective: call it on every rank::
 
-        correct = ddpkit.all_gather(torch.tensor(hits, device=ctx.device))  # (world_size,)
+        correct = all_gather(torch.tensor(hits, device=ctx.device))  # (world_size,)
         ddpkit.print(f"accuracy per rank: {correct.tolist()}")
     """
     if _group_size() == 1:
@@ -116,7 +118,7 @@ def all_gather_object(obj: T) -> list[T]:
 
     With one process: `[obj]`. A collective: call it on every rank::
 
-        names = ddpkit.all_gather_object(socket.gethostname())  # ['node-a', 'node-a', ...]
+        names = all_gather_object(socket.gethostname())  # ['node-a', 'node-a', ...]
     """
     size = _group_size()
     if size == 1:
@@ -132,7 +134,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     What the other ranks pass is ignored (pass None). With one process: `obj` itself.
     A collective: call it on every rank::
 
-        run_id = ddpkit.broadcast_object(make_run_id() if ctx.is_main else None)
+        run_id = broadcast_object(make_run_id() if ctx.is_main else None)
     """
     if _group_size() == 1:
         return obj
@@ -306,7 +308,7 @@ def _check_batch_counts(sampler: Any, loader: Any, world: int) -> None:
     """ddpkit's evaluation loader gives ranks shards that differ by one sample, which
     can mean a different number of batches: a per-batch collective would then wait
     forever on the rank with more. Every rank works this out alike, so all refuse."""
-    from ddpkit.data import ShardSampler
+    from ddpkit.parallel.data import ShardSampler
 
     if not isinstance(sampler, ShardSampler) or not getattr(loader, "batch_size", None):
         return
@@ -326,3 +328,67 @@ def _check_batch_counts(sampler: Any, loader: Any, world: int) -> None:
             "for each other forever: collect this rank's values over the loop and call "
             "gather_for_metrics(torch.cat(values)) once after it, without the loader"
         )
+
+
+@contextlib.contextmanager
+def rank_zero_first(ctx: DistContext | None = None) -> Iterator[None]:
+    """Run the body on rank 0 first, while the other ranks wait; then on the others.
+
+    For work that must happen once before the others may start, such as downloading,
+    unpacking or tokenising a data set into a cache that every rank then reads::
+
+        with ddpkit.rank_zero_first():
+            data = load_or_prepare("data/")  # rank 0 prepares, the others read its cache
+
+    Call it on every rank (it holds a barrier). The others' wait is expected, so the
+    hang diagnosis prints no notice about it, however long rank 0 takes. With one
+    process it just runs the body. `ctx` is accepted as everywhere in ddpkit, and
+    not needed: the process group knows which rank is 0.
+    """
+    if _group_size() == 1:
+        yield
+        return
+    if _group_rank() == 0:
+        with expect("work"):
+            yield
+        dist.barrier()
+    else:
+        with expect("wait"):
+            dist.barrier()
+        yield
+
+
+Number = float | int | torch.Tensor
+
+
+def _stack(values: Sequence[Number], ctx: DistContext) -> torch.Tensor:
+    parts = [
+        v.detach().reshape(()).double()
+        if isinstance(v, torch.Tensor)
+        else torch.tensor(float(v), dtype=torch.float64)
+        for v in values
+    ]
+    # nccl only reduces tensors on the GPU; gloo wants them on the CPU.
+    return torch.stack([p.to(ctx.device) for p in parts])
+
+
+def reduce_sums(values: Sequence[Number], ctx: DistContext | None = None) -> list[float]:
+    """Sum each value over all ranks in one collective; returns Python floats."""
+    ctx = ctx or DistContext.current()
+    if not values:
+        return []
+    packed = _stack(values, ctx)
+    if ctx.distributed:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+    return [float(x) for x in packed.cpu().tolist()]
+
+
+def reduce_sum(value: Number, ctx: DistContext | None = None) -> float:
+    """The sum of `value` over all ranks (a Python float, the same on every rank)."""
+    return reduce_sums([value], ctx)[0]
+
+
+def reduce_mean(value: Number, ctx: DistContext | None = None) -> float:
+    """The mean of `value` over all ranks (each rank weighs the same)."""
+    ctx = ctx or DistContext.current()
+    return reduce_sum(value, ctx) / ctx.world_size

@@ -14,8 +14,8 @@ from typing import Any
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.fsdp import as_sharded
-from ddpkit.model import find_ddp
+from ddpkit.parallel.fsdp import as_sharded
+from ddpkit.parallel.model import find_ddp
 
 
 @contextlib.contextmanager
@@ -29,7 +29,7 @@ def no_backward_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     decides in the forward whether the backward all-reduces. `enabled=False` makes it
     a no-op, for code that decides at run time::
 
-        with ddpkit.no_backward_sync(model, enabled=not last_micro_batch):
+        with no_backward_sync(model, enabled=not last_micro_batch):
             loss_fn(model(x), y).backward()
     """
     if not enabled:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.precision import DTYPES
+from ddpkit.parallel.precision import DTYPES
 
 # A block holds at least this many parameters by default: smaller ones would gather
 # in messages too small to keep the network busy.

@@ -41,25 +41,25 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
-from ddpkit.diagnosis.nccl import TRACE_PREFIX, nccl_watch
-from ddpkit.diagnosis.report import (
-    DEFAULT_HANG_TIMEOUT,
-    HangJudge,
-    blame_key,
-    left_early,
-    read_reports,
-)
-from ddpkit.diagnosis.watchdog import Watchdog, waited_in
-from ddpkit.distributed import destroy_group
 from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
-from ddpkit.preemption import (
+from ddpkit.launch.group import destroy_group
+from ddpkit.launch.nccl import TRACE_PREFIX, nccl_watch
+from ddpkit.launch.preemption import (
     DEFAULT_SIGNAL_GRACE,
     STOP_SIGNALS,
     SignalForwarder,
     install_handlers,
     restore_handlers,
 )
-from ddpkit.scratch import scratch_dir
+from ddpkit.launch.report import (
+    DEFAULT_HANG_TIMEOUT,
+    HangJudge,
+    blame_key,
+    left_early,
+    read_reports,
+)
+from ddpkit.launch.scratch import scratch_dir
+from ddpkit.launch.watchdog import Watchdog, waited_in
 from ddpkit.versions import release
 
 log = logging.getLogger("ddpkit")
@@ -557,7 +557,7 @@ def _spawn(
     method = start_method(start, backend, unimportable=unimportable)
     mp: Any = multiprocessing.get_context(method)
     if method == "forkserver":
-        _preload_in_forkserver(["torch", "ddpkit.launcher"])
+        _preload_in_forkserver(["torch", "ddpkit.launch.launcher"])
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
     # queue), and the store starts serving it once the workers exist.

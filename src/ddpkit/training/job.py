@@ -14,14 +14,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, Sampler
 
-from ddpkit.batches import LossFn, MetricsFn, StepFn
-from ddpkit.callbacks import Callback
-from ddpkit.config import TrainConfig
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.examples import EXAMPLES, example_module
+from ddpkit.parallel.batches import LossFn, MetricsFn, StepFn
 from ddpkit.seed import seed_everything
-from ddpkit.trainer import OptimizerFactory, SchedulerFactory, Trainer
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.jobspec import EXAMPLES, BuildFn, build_arity, example_module, load_job
+from ddpkit.training.trainer import Callback, OptimizerFactory, SchedulerFactory, Trainer
 
 
 @dataclass
@@ -79,8 +78,6 @@ class Job:
         )
 
 
-# build(ctx) or build(ctx, config): `jobspec.build_arity` tells which.
-BuildFn = Callable[..., Job]
 JobRef = BuildFn | str  # a build function, a built-in example's name, or MODULE:FUNCTION
 
 
@@ -89,16 +86,12 @@ def resolve_build(job: JobRef) -> BuildFn:
         return job
     if job in EXAMPLES:
         return cast(BuildFn, example_module(job).build)
-    from ddpkit.jobspec import load_job  # imports user code: only when asked
-
     return load_job(job)[0]
 
 
 def build_job(ctx: DistContext, job: JobRef, config: TrainConfig) -> Job:
     """Seed every rank alike (so parameters and random ops start equal), then build,
     passing `config` to a `build(ctx, config)`."""
-    from ddpkit.jobspec import build_arity  # light: inspect only, no user code
-
     seed_everything(config.seed)
     fn = resolve_build(job)
     built = fn(ctx, config) if build_arity(fn) == 2 else fn(ctx)

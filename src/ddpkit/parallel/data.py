@@ -25,9 +25,9 @@ from torch.utils.data import (
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.batches import map_tensors
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.batches import map_tensors
 from ddpkit.seed import rank_seed, rng_state, set_rng_state
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of

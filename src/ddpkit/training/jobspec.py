@@ -15,16 +15,30 @@ import stat
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ddpkit.config import describe, validate_options
 from ddpkit.errors import ConfigError
+from ddpkit.training.config import describe, validate_options
 from ddpkit.userfiles import kind_of
 
-if TYPE_CHECKING:  # ddpkit.job imports torch; loading a spec does not need it
-    from ddpkit.job import BuildFn
+# A job's build function: build(ctx) or build(ctx, config), returning a `Job` (which
+# `build_job` checks); `build_arity` tells which. Typed loosely so that loading a spec
+# never imports torch, as ddpkit.training.job does.
+BuildFn = Callable[..., Any]
+
+# The built-in jobs that `ddpkit train --example NAME` runs: each module under
+# ddpkit.examples has `DEFAULTS` (TrainConfig values that suit it) and `build(ctx)`.
+EXAMPLES = ("digits", "linear")
+
+
+def example_module(name: str) -> types.ModuleType:
+    """The module of a built-in example; it has `build(ctx) -> Job` and `DEFAULTS`.
+    A wrong name is refused before anything imports torch."""
+    if name not in EXAMPLES:
+        raise ConfigError(f"unknown example {name!r}: choose one of {', '.join(EXAMPLES)}")
+    return importlib.import_module(f"ddpkit.examples.{name}")
 
 
 def load_job(spec: str) -> tuple[BuildFn, dict[str, Any]]:
@@ -84,14 +98,14 @@ def load_job(spec: str) -> tuple[BuildFn, dict[str, Any]]:
     defaults = getattr(module, "DEFAULTS", None)
     source = f"{module.__name__}.DEFAULTS"
     if defaults is None:
-        return typing.cast("BuildFn", target), {}
+        return typing.cast(BuildFn, target), {}
     if not isinstance(defaults, Mapping):
         raise ConfigError(
             f"{source} must be a dict of TrainConfig options "
             f"(got {describe(defaults)}): "
             'write DEFAULTS = {"epochs": 10, "batch_size": 32}, or remove it'
         )
-    return typing.cast("BuildFn", target), validate_options(defaults, source)
+    return typing.cast(BuildFn, target), validate_options(defaults, source)
 
 
 def _is_file(module_part: str) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddpkit.context import DistContext
-from ddpkit.job import Job
+from ddpkit.training.job import Job
 
 DEFAULTS = {"epochs": 10, "batch_size": 32}
 

@@ -1,48 +1,17 @@
-"""Small helpers for code that runs on every rank."""
+"""The process group's life: how a job's group ends, cleanly or after a failure."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from ddpkit.context import DistContext
-from ddpkit.diagnosis.watchdog import expect
 from ddpkit.versions import release
 
 log = logging.getLogger("ddpkit")
-
-
-@contextlib.contextmanager
-def rank_zero_first(ctx: DistContext) -> Iterator[None]:
-    """Run the body on rank 0 first, while the other ranks wait; then on the others.
-
-    For work that must happen once before the others may start, such as downloading,
-    unpacking or tokenising a data set into a cache that every rank then reads::
-
-        with ddpkit.rank_zero_first(ctx):
-            data = load_or_prepare("data/")  # rank 0 prepares, the others read its cache
-
-    Call it on every rank (it holds a barrier). The others' wait is expected, so the
-    hang diagnosis prints no notice about it, however long rank 0 takes. With one
-    process it just runs the body.
-    """
-    if not ctx.distributed:
-        yield
-        return
-    if ctx.is_main:
-        with expect("work"):
-            yield
-        dist.barrier()
-    else:
-        with expect("wait"):
-            dist.barrier()
-        yield
 
 
 # Groups that destroy_group() took out of service but keeps alive; see there.

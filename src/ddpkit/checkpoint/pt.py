@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit import sharded
+from ddpkit.checkpoint import sharded
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
-from ddpkit.model import strip_prefixes, unwrap
+from ddpkit.parallel.model import strip_prefixes, unwrap
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
     PENDING,
@@ -251,7 +251,7 @@ def save_checkpoint(
             keep all); the older ones are deleted once this one is on disk.
         shards: tensors that every rank writes its own part of (a sharded model's and
             optimizer's state, from `sharded.tensors_of`): the checkpoint is then the
-            folder `ckpt-<step>.dcp` (see `ddpkit.sharded`).
+            folder `ckpt-<step>.dcp` (see `ddpkit.checkpoint.sharded`).
 
     Returns:
         The path of the checkpoint written.

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpkit.fsdp import gathered
-from ddpkit.model import unwrap
+from ddpkit.parallel.fsdp import gathered
+from ddpkit.parallel.model import unwrap
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

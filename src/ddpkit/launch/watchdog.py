@@ -54,8 +54,8 @@ _PLUMBING = (
     "multiprocessing/",
     "runpy",
     "<string>",
-    "ddpkit/launcher.py",
-    "ddpkit/diagnosis/shim.py",
+    "ddpkit/launch/launcher.py",
+    "ddpkit/launch/shim.py",
 )
 
 

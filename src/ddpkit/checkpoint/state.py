@@ -15,7 +15,7 @@ same bits as a run that was never interrupted::
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
         model = ddpkit.prepare_model(model, ctx)
         loader = ddpkit.prepare_loader(train_set, ctx, batch_size=32)
-        ddpkit.seed_everything(ddpkit.rank_seed(0, ctx.rank))  # each rank its own stream
+        ddpkit.seed_everything(rank_seed(0, ctx.rank))  # each rank its own stream
 
         start = ddpkit.load_state(folder, ctx, model=model, optimizer=opt,
                                   scheduler=sched, loader=loader)
@@ -44,7 +44,7 @@ the device of the object it is loaded into.
 
 A model sharded with `prepare_model(..., strategy="fsdp")` is saved as `Trainer` saves
 it: a folder `ckpt-<step>.dcp` in which every rank writes its own shards of the model
-and optimizer (see `ddpkit.sharded`). It loads on any number of ranks, one process
+and optimizer (see `ddpkit.checkpoint.sharded`). It loads on any number of ranks, one process
 included, as the shards are redistributed to fit the job that loads them.
 """
 
@@ -63,21 +63,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ddpkit.batches import to_device
-from ddpkit.checkpoint import (
+from ddpkit.checkpoint.pt import (
     latest_checkpoint,
     load_checkpoint,
     load_model_state,
     model_class_name,
     save_checkpoint,
 )
+from ddpkit.checkpoint.sharded import META, SUFFIX, load_shards, tensors_of
 from ddpkit.context import DistContext
-from ddpkit.data import DistributedLoader
 from ddpkit.errors import CheckpointError, ConfigError
-from ddpkit.fsdp import as_sharded
-from ddpkit.model import unwrap
+from ddpkit.parallel.batches import to_device
+from ddpkit.parallel.data import DistributedLoader
+from ddpkit.parallel.fsdp import as_sharded
+from ddpkit.parallel.model import unwrap
 from ddpkit.seed import set_rng_state
-from ddpkit.sharded import META, SUFFIX, load_shards, tensors_of
 
 log = logging.getLogger("ddpkit")
 

@@ -23,7 +23,19 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.batches import (
+from ddpkit.checkpoint.pt import (
+    check_same_model,
+    find_checkpoint,
+    load_model_state,
+    lock_folder,
+    model_class_name,
+    save_checkpoint,
+)
+from ddpkit.checkpoint.sharded import load_shards, tensors_of
+from ddpkit.context import DistContext
+from ddpkit.errors import CheckpointError, ConfigError, Preempted
+from ddpkit.launch.preemption import StopVote, saving_on_signal
+from ddpkit.parallel.batches import (
     LossFn,
     MetricsFn,
     StepFn,
@@ -32,29 +44,15 @@ from ddpkit.batches import (
     is_pair,
     to_device,
 )
-from ddpkit.callbacks import Callback, EarlyStopping
-from ddpkit.checkpoint import (
-    check_same_model,
-    find_checkpoint,
-    load_model_state,
-    lock_folder,
-    model_class_name,
-    save_checkpoint,
-)
-from ddpkit.config import TrainConfig
-from ddpkit.context import DistContext
-from ddpkit.data import ShardSampler, prepare_loader
-from ddpkit.errors import CheckpointError, ConfigError, Preempted
-from ddpkit.fsdp import as_sharded, gathered
-from ddpkit.metrics import reduce_sums
-from ddpkit.model import find_ddp, prepare_model, sync_buffers, unwrap
-from ddpkit.precision import DTYPES, use_deterministic, use_tf32
-from ddpkit.preemption import StopVote, saving_on_signal
-from ddpkit.ranks import broadcast_object
-from ddpkit.runlog import RunLog
+from ddpkit.parallel.data import ShardSampler, prepare_loader
+from ddpkit.parallel.fsdp import as_sharded, gathered
+from ddpkit.parallel.model import find_ddp, prepare_model, sync_buffers, unwrap
+from ddpkit.parallel.precision import DTYPES, use_deterministic, use_tf32
+from ddpkit.parallel.ranks import broadcast_object, reduce_sums
+from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
-from ddpkit.sharded import load_shards, tensors_of
 from ddpkit.storage import PENDING
+from ddpkit.training.config import TrainConfig
 
 log = logging.getLogger("ddpkit")
 
@@ -65,6 +63,80 @@ SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 _NOTHING = contextlib.nullcontext()
 # Seconds between updates of the progress bar's loss (each costs a host sync).
 _BAR_SECONDS = 1.0
+
+
+class Callback:
+    """Override the hooks you need; each default does nothing."""
+
+    def on_fit_start(self, trainer: Trainer) -> None: ...
+    def on_fit_end(self, trainer: Trainer, result: FitResult) -> None: ...
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None: ...
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None: ...
+    def on_step_end(self, trainer: Trainer, step: int) -> None: ...
+    def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None: ...
+    def on_checkpoint(self, trainer: Trainer, path: Path) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to keep in checkpoints, so a resumed run continues the same decision."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class EarlyStopping(Callback):
+    """Stop when `monitor` has not improved by `min_delta` for `patience` epochs.
+
+    `monitor` is any epoch metric: `loss`, `eval_loss`, `accuracy`, ... With
+    `mode="auto"`, metrics named like accuracy are maximised, the others minimised.
+    """
+
+    def __init__(
+        self,
+        monitor: str = "eval_loss",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: str = "auto",
+    ) -> None:
+        if patience < 1:
+            raise ConfigError(f"patience must be >= 1 (got {patience})")
+        if mode not in ("auto", "min", "max"):
+            raise ConfigError(f"mode must be 'auto', 'min' or 'max' (got {mode!r})")
+        if mode == "auto":
+            mode = "max" if any(w in monitor for w in ("acc", "f1", "auc", "precision")) else "min"
+        self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
+        self.best = math.inf if mode == "min" else -math.inf
+        self.bad_epochs = 0
+        self.stopped_epoch: int | None = None
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        if self.monitor not in metrics:
+            raise ConfigError(
+                f"early stopping watches {self.monitor!r}, which this run does not report "
+                f"(it has: {', '.join(sorted(metrics))}): choose one of those"
+            )
+        value = metrics[self.monitor]
+        better = (
+            value < self.best - self.min_delta
+            if self.mode == "min"
+            else value > self.best + self.min_delta
+        )
+        if better:
+            self.best, self.bad_epochs = value, 0
+            return
+        self.bad_epochs += 1
+        if self.bad_epochs >= self.patience:
+            self.stopped_epoch = epoch
+            trainer.should_stop = True
+            trainer.say(
+                f"early stopping: {self.monitor} has not improved for {self.patience} "
+                f"epoch(s) (best {self.best:.4g})"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_epochs = float(state["best"]), int(state["bad_epochs"])
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""What a run leaves behind for people: the run log, experiment trackers and charts."""
