@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddpkit.launch.report import HangJudge
+from ddpkit.processes.report import HangJudge
 
 NOW = 1000.0
 

@@ -22,8 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddpkit
 from ddpkit import DistContext, launch
 from ddpkit.errors import HangError
-from ddpkit.launch.watchdog import _Activity
 from ddpkit.parallel.fsdp import cpu_supported
+from ddpkit.processes.watchdog import _Activity
 
 HANG_TIMEOUT = 4.0
 # The collective timeout of the jobs that must be stopped as hung: small, so that a

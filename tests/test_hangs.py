@@ -18,7 +18,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit import Callback, DistContext, TrainConfig, Trainer, launch
 from ddpkit.errors import ConfigError, HangError
-from ddpkit.launch.watchdog import _user_frame, describe
+from ddpkit.processes.watchdog import _user_frame, describe
 from tests.conftest import ROOT
 from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
 
@@ -208,7 +208,9 @@ def test_nccl_and_gloo_sockets_stay_on_loopback() -> None:
 def test_a_worker_whose_parent_is_not_the_launcher_exits() -> None:
     # A worker adopted by a subreaper (or init) before it asked to die with its parent
     # must notice: its parent is no longer the process that started it.
-    code = "from ddpkit.launch.launcher import die_with_parent; die_with_parent(1); print('alive')"
+    code = (
+        "from ddpkit.processes.launcher import die_with_parent; die_with_parent(1); print('alive')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and "alive" not in out.stdout and out.stderr == ""
 

@@ -78,7 +78,7 @@ def test_import_ddpkit_stays_lazy() -> None:
 
 
 # The layers, bottom first. A module imports only from its own layer or those below,
-# and within a layer only from its own package: `launch` and `records` know nothing of
+# and within a layer only from its own package: `processes` and `records` know nothing of
 # each other, `checkpoint` nothing of the Trainer. Plain modules of the bottom layer
 # (errors, context, storage, ...) may use each other.
 LAYERS: list[tuple[str, ...]] = [
@@ -91,7 +91,7 @@ LAYERS: list[tuple[str, ...]] = [
         "ddpkit.collectives",
         "ddpkit.seed",
     ),
-    ("ddpkit.check", "ddpkit.launch", "ddpkit.records"),
+    ("ddpkit.check", "ddpkit.processes", "ddpkit.records"),
     ("ddpkit.parallel",),
     ("ddpkit.checkpoint",),
     ("ddpkit.training",),
@@ -158,3 +158,19 @@ def test_no_import_circles() -> None:
 
     for name in sorted(modules):
         visit(name, [])
+
+
+def test_no_package_shadows_a_public_name() -> None:
+    """Importing a subpackage binds it as an attribute of `ddpkit`: one named like a
+    public function (a package `ddpkit/launch/` beside `ddpkit.launch`) would replace
+    that function for every caller once anything imported the package."""
+    packages = {name.split(".")[1] for name in _modules() if name.count(".") >= 1}
+    assert packages.isdisjoint(ddpkit._EXPORTS), packages & set(ddpkit._EXPORTS)
+    code = (
+        "import ddpkit, importlib, pkgutil\n"
+        "for info in pkgutil.walk_packages(ddpkit.__path__, prefix='ddpkit.'):\n"
+        "    if not info.name.endswith('__main__'): importlib.import_module(info.name)\n"
+        "bad = [n for n in ddpkit._EXPORTS if type(getattr(ddpkit, n)).__name__ == 'module']\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

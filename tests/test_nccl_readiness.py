@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import ddpkit.launch.group as ddist
+import ddpkit.processes.group as ddist
 from ddpkit import DistContext, launch
 from ddpkit.errors import ConfigError, WorkerError
-from ddpkit.launch import launcher as ln
+from ddpkit.processes import launcher as ln
 
 # -- helpers for launches that believe they run NCCL ---------------------------------------
 # The workers are forked, so they keep these patches; the group underneath is gloo.
@@ -89,7 +89,7 @@ def test_a_gpu_workers_group_times_out_below_the_hang_timeout_with_the_flight_re
 def test_nccl_watch_sets_the_timeout_and_the_recorder_and_leaves_gloo_alone(
     tmp_path: Path,
 ) -> None:
-    from ddpkit.launch.nccl import nccl_watch
+    from ddpkit.processes.nccl import nccl_watch
 
     assert nccl_watch("gloo", 300, 1800, tmp_path, {}) == ({}, 1800)
     env, timeout = nccl_watch("nccl", 300, 1800, tmp_path, {})
@@ -111,7 +111,7 @@ def test_nccl_watch_sets_the_timeout_and_the_recorder_and_leaves_gloo_alone(
 
 
 def test_nccl_watch_keeps_what_the_user_set(tmp_path: Path) -> None:
-    from ddpkit.launch.nccl import nccl_watch
+    from ddpkit.processes.nccl import nccl_watch
 
     mine = {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "77",  # the old name of the new TORCH_FR_BUFFER_SIZE
@@ -125,7 +125,7 @@ def test_nccl_watch_keeps_what_the_user_set(tmp_path: Path) -> None:
 def test_the_flight_recorders_dumps_outlive_the_job_and_are_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ddpkit.launch.nccl import TRACE_PREFIX
+    from ddpkit.processes.nccl import TRACE_PREFIX
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     job = tmp_path / "ddpkit-job-x" / "nccl-trace"

@@ -335,7 +335,7 @@ class _StuckAfterTheSignal(ddpkit.Callback):
     """A rank that never reaches its save once a stop signal has come."""
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
-        from ddpkit.launch.preemption import requested
+        from ddpkit.processes.preemption import requested
 
         if requested():
             time.sleep(600)

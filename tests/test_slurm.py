@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.launch.slurm import SlurmStep, expand_hostlist, slurm_step
+from ddpkit.processes.slurm import SlurmStep, expand_hostlist, slurm_step
 from tests.conftest import ROOT
 
 

@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.launch.launcher import launch
 from ddpkit.parallel.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from ddpkit.processes.launcher import launch
 
 TOL64 = 1e-9  # float64 math: only summation order differs from the reference
 Errors = dict[str, float]

@@ -1,7 +1,7 @@
 """ddpkit: a single-GPU PyTorch job on every GPU (or CPU core) of a machine, with DDP.
 
 These are the names a training script calls; everything else lives in the package
-that owns it (`ddpkit.launch`, `ddpkit.parallel`, `ddpkit.checkpoint`,
+that owns it (`ddpkit.processes`, `ddpkit.parallel`, `ddpkit.checkpoint`,
 `ddpkit.training`, `ddpkit.records`, `ddpkit.verification`), listed in the API
 reference. Names are imported lazily so that `import ddpkit` (and `ddpkit check`,
 which never needs torch) starts fast; `from ddpkit import launch` works as usual.
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "launch": "ddpkit.launch.launcher",
+    "launch": "ddpkit.processes.launcher",
     "DistContext": "ddpkit.context",
     "Trainer": "ddpkit.training.trainer",
     "TrainConfig": "ddpkit.training.config",
@@ -76,7 +76,6 @@ if TYPE_CHECKING:
     from ddpkit.checkpoint.state import load_state, save_state
     from ddpkit.context import DistContext
     from ddpkit.errors import DdpkitError
-    from ddpkit.launch.launcher import launch
     from ddpkit.parallel.data import prepare_loader
     from ddpkit.parallel.model import prepare_model, unwrap
     from ddpkit.parallel.precision import Precision
@@ -92,6 +91,7 @@ if TYPE_CHECKING:
     )
     from ddpkit.parallel.sync import accumulate
     from ddpkit.parallel.syncbn import convert_sync_batchnorm
+    from ddpkit.processes.launcher import launch
     from ddpkit.seed import seed_everything
     from ddpkit.training.config import TrainConfig
     from ddpkit.training.job import Job

@@ -113,7 +113,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args))
     except HangError as exc:
-        from ddpkit.launch.report import HANG_EXIT
+        from ddpkit.processes.report import HANG_EXIT
 
         print(f"{exc}\n\nddpkit: stopped the hung job (exit status {HANG_EXIT})", file=sys.stderr)
         return HANG_EXIT

@@ -157,7 +157,7 @@ def add_oversubscribe_flag(p: argparse.ArgumentParser) -> None:
 def check_processes(flag: str, count: int, *, allow: bool) -> None:
     """Warn when `flag`'s `count` processes exceed the CPU cores; refuse (ConfigError)
     more than OVERSUBSCRIBE_LIMIT times the cores, unless `allow`."""
-    from ddpkit.launch.launcher import (
+    from ddpkit.processes.launcher import (
         cpu_count,  # torch: the commands that call this load it anyway
     )
 

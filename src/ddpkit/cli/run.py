@@ -1,7 +1,7 @@
 """`ddpkit run`: start any training script on every GPU or CPU core through torchrun's
 elastic agent, and say which rank failed, or where every rank hangs, when it goes wrong.
 
-The flags are checked here; `ddpkit.launch.agent` does the work.
+The flags are checked here; `ddpkit.processes.agent` does the work.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 from ddpkit.cli.flags import add_oversubscribe_flag, check_processes
 from ddpkit.errors import ConfigError
-from ddpkit.launch.report import DEFAULT_HANG_TIMEOUT
-from ddpkit.launch.slurm import slurm_step
+from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
+from ddpkit.processes.slurm import slurm_step
 from ddpkit.userfiles import kind_of
 
 HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
@@ -78,8 +78,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     _fill_from_slurm(args)
     command, nproc = _validate(args)
-    from ddpkit.launch.agent import AgentOptions, run_script  # torch: once the flags are good
-    from ddpkit.launch.launcher import exit_now
+    from ddpkit.processes.agent import AgentOptions, run_script  # torch: once the flags are good
+    from ddpkit.processes.launcher import exit_now
 
     code = run_script(
         AgentOptions(
@@ -121,7 +121,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     """The worker command (after the shim) and the processes per node, or ConfigError.
     The flags are checked first: a bad one costs no import of torch."""
     command = _command(args)
-    from ddpkit.launch.launcher import resolve_backend, resolve_nprocs
+    from ddpkit.processes.launcher import resolve_backend, resolve_nprocs
 
     backend = resolve_backend("auto")
     nproc = resolve_nprocs(args.nproc, backend)

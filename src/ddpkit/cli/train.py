@@ -25,8 +25,8 @@ from ddpkit.cli.flags import (
     print_job_help,
 )
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, Preempted
-from ddpkit.launch.preemption import DEFAULT_SIGNAL_GRACE
-from ddpkit.launch.report import DEFAULT_HANG_TIMEOUT
+from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
+from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
     from ddpkit.checkpoint.pt import check_writable, find_checkpoint
     from ddpkit.context import DistContext
-    from ddpkit.launch.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
+    from ddpkit.processes.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
 
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)

@@ -23,7 +23,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.launch.watchdog import expect
+from ddpkit.processes.watchdog import expect
 
 T = TypeVar("T")
 

@@ -34,7 +34,6 @@ from ddpkit.checkpoint.pt import (
 from ddpkit.checkpoint.sharded import load_shards, tensors_of
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError, Preempted
-from ddpkit.launch.preemption import StopVote, saving_on_signal
 from ddpkit.parallel.batches import (
     LossFn,
     MetricsFn,
@@ -49,6 +48,7 @@ from ddpkit.parallel.fsdp import as_sharded, gathered
 from ddpkit.parallel.model import find_ddp, prepare_model, sync_buffers, unwrap
 from ddpkit.parallel.precision import DTYPES, use_deterministic, use_tf32
 from ddpkit.parallel.ranks import broadcast_object, reduce_sums
+from ddpkit.processes.preemption import StopVote, saving_on_signal
 from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 from ddpkit.storage import PENDING

@@ -24,9 +24,9 @@ from torch.utils.data.distributed import DistributedSampler
 from ddpkit.checkpoint.digest import state_digest, tensor_digest
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.launch.launcher import launch
 from ddpkit.parallel.model import unwrap
 from ddpkit.parallel.syncbn import SyncBatchNorm
+from ddpkit.processes.launcher import launch
 from ddpkit.seed import rng_state
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import JobRef

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ddpkit.context import DistContext
-from ddpkit.launch.launcher import launch
 from ddpkit.parallel.batches import map_tensors
+from ddpkit.processes.launcher import launch
 from ddpkit.seed import rng_state
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import JobRef, build_job

@@ -15,10 +15,10 @@ from torch.utils.data import Dataset, Sampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.launch.launcher import under_torchrun
 from ddpkit.parallel.batches import map_tensors
 from ddpkit.parallel.fsdp import gathered
 from ddpkit.parallel.model import unwrap
+from ddpkit.processes.launcher import under_torchrun
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job, JobRef, build_job
 from ddpkit.training.trainer import Callback, Trainer

@@ -1,5 +1,5 @@
 """What each worker of `ddpkit run` executes:
-`python -m ddpkit.launch.shim (SCRIPT | -m MODULE) ARGS`.
+`python -m ddpkit.processes.shim (SCRIPT | -m MODULE) ARGS`.
 
 torchrun's agent starts it once per rank. It prepares the diagnosis (a watchdog that
 reports progress, a record of the exception if the script raises), then runs the
@@ -36,14 +36,14 @@ def _status_folder() -> Path | None:
 
 
 def _store_publisher(rank: int) -> Callable[[dict[str, Any]], None] | None:
-    """With several nodes, reports also go to the rendezvous store (see ddpkit.launch.agent)."""
+    """With several nodes, reports also go to the rendezvous store (see ddpkit.processes.agent)."""
     address = os.environ.get("DDPKIT_STATUS_STORE")
     if not address:
         return None
     from datetime import timedelta
 
-    from ddpkit.launch.launcher import TCPStore
-    from ddpkit.launch.report import status_key
+    from ddpkit.processes.launcher import TCPStore
+    from ddpkit.processes.report import status_key
 
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
@@ -90,8 +90,8 @@ def _note_process_group(folder: Path, rank: int) -> None:
 
 def main() -> None:
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
-    from ddpkit.launch.launcher import ReleasedByLaunch, die_with_parent, exit_now
-    from ddpkit.launch.watchdog import Watchdog, record_error, write_json
+    from ddpkit.processes.launcher import ReleasedByLaunch, die_with_parent, exit_now
+    from ddpkit.processes.watchdog import Watchdog, record_error, write_json
 
     # Never outlive the agent, even if it is killed with SIGKILL.
     parent = os.environ.get("DDPKIT_PARENT_PID")

@@ -41,8 +41,8 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 )
 
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
-from ddpkit.launch.launcher import serve_store, threads_per_rank  # noqa: E402
-from ddpkit.launch.report import (  # noqa: E402
+from ddpkit.processes.launcher import serve_store, threads_per_rank  # noqa: E402
+from ddpkit.processes.report import (  # noqa: E402
     DEFAULT_HANG_TIMEOUT,
     HANG_EXIT,
     HangJudge,
@@ -51,8 +51,8 @@ from ddpkit.launch.report import (  # noqa: E402
     read_reports,
     status_key,
 )
-from ddpkit.launch.scratch import scratch_dir  # noqa: E402
-from ddpkit.launch.watchdog import descendants  # noqa: E402
+from ddpkit.processes.scratch import scratch_dir  # noqa: E402
+from ddpkit.processes.watchdog import descendants  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def run_script(opts: AgentOptions) -> int:
         *(["--local-addr", "127.0.0.1"] if local else []),
         # "--": what follows is the workers' command, never torchrun's options (argparse
         # would take an abbreviation such as --nproc in it for one of its own).
-        *("--module", "--", "ddpkit.launch.shim", *opts.command),
+        *("--module", "--", "ddpkit.processes.shim", *opts.command),
     ]
     try:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
@@ -231,7 +231,7 @@ class _StoreReports:
     def __init__(self, host: str, port: int, world_size: int) -> None:
         from datetime import timedelta
 
-        from ddpkit.launch.launcher import TCPStore
+        from ddpkit.processes.launcher import TCPStore
 
         self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
         self.world_size, self.attempt = world_size, 0

@@ -42,24 +42,24 @@ import torch.distributed as dist
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
-from ddpkit.launch.group import destroy_group
-from ddpkit.launch.nccl import TRACE_PREFIX, nccl_watch
-from ddpkit.launch.preemption import (
+from ddpkit.processes.group import destroy_group
+from ddpkit.processes.nccl import TRACE_PREFIX, nccl_watch
+from ddpkit.processes.preemption import (
     DEFAULT_SIGNAL_GRACE,
     STOP_SIGNALS,
     SignalForwarder,
     install_handlers,
     restore_handlers,
 )
-from ddpkit.launch.report import (
+from ddpkit.processes.report import (
     DEFAULT_HANG_TIMEOUT,
     HangJudge,
     blame_key,
     left_early,
     read_reports,
 )
-from ddpkit.launch.scratch import scratch_dir
-from ddpkit.launch.watchdog import Watchdog, waited_in
+from ddpkit.processes.scratch import scratch_dir
+from ddpkit.processes.watchdog import Watchdog, waited_in
 from ddpkit.versions import release
 
 log = logging.getLogger("ddpkit")
@@ -557,7 +557,7 @@ def _spawn(
     method = start_method(start, backend, unimportable=unimportable)
     mp: Any = multiprocessing.get_context(method)
     if method == "forkserver":
-        _preload_in_forkserver(["torch", "ddpkit.launch.launcher"])
+        _preload_in_forkserver(["torch", "ddpkit.processes.launcher"])
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
     # queue), and the store starts serving it once the workers exist.

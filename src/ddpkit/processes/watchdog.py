@@ -54,8 +54,8 @@ _PLUMBING = (
     "multiprocessing/",
     "runpy",
     "<string>",
-    "ddpkit/launch/launcher.py",
-    "ddpkit/launch/shim.py",
+    "ddpkit/processes/launcher.py",
+    "ddpkit/processes/shim.py",
 )
 
 
