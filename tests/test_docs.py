@@ -1,8 +1,9 @@
 """The documentation site (mkdocs.yml, docs/) builds strictly and says what the code does.
 
-The hand-written tables (exit statuses, `Job` and `FitResult` fields, callback hooks)
-are checked against the code here, and the examples the pages share with the README
-must be the README's, which tests/test_readme.py runs.
+The hand-written tables (exit statuses, `Job` and `FitResult` fields, callback hooks,
+the checker's rules) are checked against the code here; the options table is made from
+`TrainConfig`'s fields (docs/options_table.py), and the API reference must hold every
+public name. The pages' examples run in tests/test_readme.py.
 """
 
 from __future__ import annotations
@@ -10,21 +11,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import re
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NoReturn
 
 import pytest
 
+import ddpkit
 from ddpkit import cli
-from ddpkit.callbacks import Callback
+from ddpkit.check.rules import RULES
 from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
-from ddpkit.job import Job
-from ddpkit.trainer import FitResult
+from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import Job
+from ddpkit.training.trainer import Callback, FitResult
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"
@@ -110,7 +115,7 @@ def test_exit_status_table_matches_the_code(
 
     # `ddpkit run` passes on the signal that stopped its job as 128 + N.
     assert "128 + N" in [row[0] for row in rows]
-    assert "return 128 + int(exc.sigval)" in (ROOT / "src/ddpkit/agent.py").read_text()
+    assert "return 128 + int(exc.sigval)" in (ROOT / "src/ddpkit/processes/agent.py").read_text()
 
 
 # -- the tables of docs/jobs.md ------------------------------------------------------
@@ -141,22 +146,104 @@ def test_callback_table_lists_every_hook_with_its_signature() -> None:
         assert documented[name] == ", ".join(params), name
 
 
-# -- the examples the pages share with the README ---------------------------------------
+# -- the checker's rules --------------------------------------------------------------
 
 
-def _fenced(text: str) -> list[tuple[str, str]]:
-    return re.findall(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M)
+def test_rules_table_lists_every_rule_with_its_severity() -> None:
+    rows = _table("check.md", "## Rules")
+    assert [(row[0], row[1]) for row in rows] == [(r.code, r.severity) for r in RULES]
 
 
-def test_examples_are_the_readmes() -> None:
-    readme = {body for _, body in _fenced((ROOT / "README.md").read_text())}
-    for page in sorted(DOCS.glob("*.md")):
-        if page.name == "benchmarks.md":  # its commands are the benchmarks' own
-            continue
-        for lang, body in _fenced(page.read_text()):
-            if "mkdocs build" in body or (page.name == "index.md" and lang == "sh"):
-                continue  # the site's own command; the index's two-line summary
-            assert body in readme, f"docs/{page.name}: a {lang} block that is not the README's"
+# -- the options table, made from TrainConfig ------------------------------------------
+
+
+def _options_hook() -> ModuleType:
+    """docs/options_table.py, the mkdocs hook that makes the options table."""
+    spec = importlib.util.spec_from_file_location("options_table", DOCS / "options_table.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_options_table_is_made_from_every_field() -> None:
+    hook = _options_hook()
+    table: str = hook.options_table()
+    names = [_first_word(line.split("|")[1].strip()) for line in table.splitlines()[2:]]
+    assert names == [f.name for f in dataclasses.fields(TrainConfig)]
+    docs = hook.field_docs()
+    assert set(docs) == set(names)  # every field has its documentation under it
+    assert docs["epochs"] == "Passes over the training data."
+    assert '| `precision` | `--precision` | one of `"32"`, `"bf16"`, `"fp16"` |' in table
+
+
+def test_the_committed_options_table_is_up_to_date() -> None:
+    """docs/options.md holds a copy of the table for readers of the repository; the site
+    makes it afresh."""
+    hook = _options_hook()
+    page = (DOCS / "options.md").read_text()
+    assert hook.START in page and hook.END in page
+    assert hook.with_table(page) == page, "the fields changed: run python docs/options_table.py"
+
+
+# -- the API reference ---------------------------------------------------------------
+
+# Names that are not in `import ddpkit` but are documented, with the module to import
+# each from.
+MORE_BUILDING_BLOCKS = {
+    "FitResult": "ddpkit.training.trainer",
+    "EarlyStopping": "ddpkit.training.trainer",
+    "VerifyReport": "ddpkit.verification",
+    "no_backward_sync": "ddpkit.parallel.sync",
+    "Accumulation": "ddpkit.parallel.sync",
+    "SyncBatchNorm": "ddpkit.parallel.syncbn",
+    "reduce_sums": "ddpkit.parallel.ranks",
+    "model_digest": "ddpkit.checkpoint.digest",
+    "rank_seed": "ddpkit.seed",
+    "save_checkpoint": "ddpkit.checkpoint.pt",
+    "load_checkpoint": "ddpkit.checkpoint.pt",
+    "latest_checkpoint": "ddpkit.checkpoint.pt",
+    "all_gather": "ddpkit.parallel.ranks",
+    "all_gather_object": "ddpkit.parallel.ranks",
+    "broadcast_object": "ddpkit.parallel.ranks",
+    "ConfigError": "ddpkit.errors",
+    "CheckpointError": "ddpkit.errors",
+    "WorkerError": "ddpkit.errors",
+    "HangError": "ddpkit.errors",
+    "Preempted": "ddpkit.errors",
+}
+
+
+def _documented() -> list[str]:
+    """The dotted paths that docs/api.md documents: `::: module.name`, and the members
+    listed under a `::: module` entry."""
+    paths: list[str] = []
+    module = ""
+    for line in (DOCS / "api.md").read_text().splitlines():
+        if line.startswith("::: "):
+            module = line[4:].strip()
+            paths.append(module)
+        elif re.fullmatch(r" +- \w+", line) and module:
+            paths.append(f"{module}.{line.strip()[2:]}")
+    return paths
+
+
+def test_the_api_reference_documents_every_public_name() -> None:
+    """The 24 names of `import ddpkit` as `::: ddpkit.NAME` (mkdocstrings follows the
+    package's imports to the module that defines each, wherever it moves), then the
+    other documented names by their modules."""
+    documented = _documented()
+    public = set(ddpkit._EXPORTS)
+    assert len(public) == 24
+    before_more = documented[: documented.index("ddpkit.training.trainer.FitResult")]
+    for name in sorted(public):
+        assert f"ddpkit.{name}" in before_more, f"docs/api.md: add ::: ddpkit.{name}"
+    assert len(before_more) == len(public), "docs/api.md: only the 24 before the others"
+    for name, module in MORE_BUILDING_BLOCKS.items():
+        assert name not in public, f"{name} is in `import ddpkit`: document it with the 24"
+        assert f"{module}.{name}" in documented, f"docs/api.md: add ::: {module}.{name}"
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    assert len(documented) == len(set(documented)), "a name documented twice"
 
 
 # -- the build --------------------------------------------------------------------------
@@ -199,3 +286,24 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert "on_epoch_end" in text("jobs") and "samples_per_s" in text("jobs")
     assert "Scaling efficiency" in text("benchmarks")
     assert (site / "bench-peers.png").is_file()
+
+    # The manual's pages, each with what it is for (the README links to them).
+    for page, expected in {
+        "port": "changed lines",
+        "mapping": "accelerator.gather_for_metrics",
+        "options": "Passes over the training data",  # the table, made by the hook
+        "fsdp": "Build the optimizer after sharding",
+        "preemption": "SLURM",
+        "exact": "bit-identical",
+        "verify": "likely cause",
+        "run": "hang-timeout",
+        "check": "DDP111",
+        "architecture": "test_layout.py",
+        "development": "mkdocs build --strict",
+    }.items():
+        assert expected in text(page), (page, expected)
+    nav = (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1].split("\n\n", 1)[0]
+    for md in sorted(DOCS.glob("*.md")):
+        assert f" {md.name}\n" in nav, f"mkdocs.yml: {md.name} is not in the nav"
+    # The hook's source is not published as a page.
+    assert not (site / "options_table.py").exists()

@@ -1,14 +1,16 @@
-"""The README's examples run as written.
+"""The examples of the README and of the documentation pages (docs/*.md) run as written.
 
-Every fenced block of the README is accounted for here:
+The README is the quickstart and the pages are the manual; every fenced block of both is
+accounted for here (but docs/benchmarks.md's, whose commands are the benchmarks' own). A
+block that two pages share (the README's example is also the guide's) runs once.
 - ```python blocks run as scripts, except those whose first line names a file
   (`# myjob.py`): those, like ```toml blocks that name one (`# job.toml`), are written
-  under that name, and the README's commands that use them run beside them;
-- ```sh blocks run command by command, as the README gives them (`ddpkit ...` as
+  under that name, and the commands that use them run beside them;
+- ```sh blocks run command by command, as the page gives them (`ddpkit ...` as
   `python -m ddpkit ...` of this Python); the few parts that are not run say why in
   `_NOT_RUN`;
 - ```console blocks run their `$ ` commands and compare what they print;
-- ```diff is the port of the tutorial's script, run by its own test below;
+- ```diff is the port of the tutorial's script (docs/port.md), run by its own test below;
 - untagged blocks are usage synopses and sample output, ```yaml is a pre-commit
   configuration for other repositories: nothing to run.
 """
@@ -27,46 +29,67 @@ import pytest
 
 from tests.conftest import ROOT
 
+DOCS = ROOT / "docs"
 README = (ROOT / "README.md").read_text()
+# The README, then the site's pages; benchmarks.md's commands are the benchmarks' own.
+PAGES = [ROOT / "README.md", *(p for p in sorted(DOCS.glob("*.md")) if p.name != "benchmarks.md")]
 
 
 @dataclass(frozen=True)
 class Block:
+    page: str  # relative to the repository: README.md, docs/cli.md
     lang: str
     body: str
     line: int  # where its opening fence is, 1-based
 
     @property
     def file_name(self) -> str | None:
-        """The file the README asks to save this block as (`# myjob.py` on its first line)."""
+        """The file the page asks to save this block as (`# myjob.py` on its first line)."""
         first = self.body.split("\n", 1)[0]
         match = re.fullmatch(r"# ([\w.-]+\.(?:py|toml))", first)
         return match.group(1) if match else None
 
     def __str__(self) -> str:
-        return f"README.md:{self.line} ({self.lang or 'untagged'})"
+        return f"{self.page}:{self.line} ({self.lang or 'untagged'})"
 
 
-def _blocks(text: str) -> list[Block]:
+def _blocks(page: Path) -> list[Block]:
+    text = page.read_text()
+    name = page.relative_to(ROOT).as_posix()
     return [
-        Block(m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
+        Block(name, m.group(1), m.group(2), text.count("\n", 0, m.start()) + 1)
         for m in re.finditer(r"^```(\w*)\n(.*?)^```$", text, re.S | re.M)
     ]
 
 
-BLOCKS = _blocks(README)
+def _once(blocks: list[Block]) -> list[Block]:
+    """Each block at its first place: one the README shares with a page runs once."""
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for block in blocks:
+        if (block.lang, block.body) not in seen:
+            seen.add((block.lang, block.body))
+            unique.append(block)
+    return unique
+
+
+README_BLOCKS = _blocks(ROOT / "README.md")
+ALL_BLOCKS = [block for page in PAGES for block in _blocks(page)]
+BLOCKS = _once(ALL_BLOCKS)
 SCRIPTS = [b for b in BLOCKS if b.lang == "python" and b.file_name is None]
 FILES = {b.file_name: b.body for b in BLOCKS if b.lang in ("python", "toml") and b.file_name}
 SHELL = [b for b in BLOCKS if b.lang == "sh"]
 CONSOLE = [b for b in BLOCKS if b.lang == "console"]
 
-# Parts of the README's shell commands that the test does not run, and why. The test
-# runs inside the virtual environment that these commands create, with ddpkit installed.
+# Parts of the pages' shell commands that the test does not run, and why. The test runs
+# inside the virtual environment that these commands create, with ddpkit installed.
 _NOT_RUN = {
     "python3 -m venv .venv": "makes the virtual environment that this test already runs in",
     ".venv/bin/pip install": "installs into it: CI runs the same install in .ci/run",
     ".venv/bin/python -m pytest": "the test suite itself: .ci/run runs it "
     "(test_ci_runs_the_readme_test_command checks that it is the README's command)",
+    ".venv/bin/mkdocs build": "builds this site: tests/test_docs.py does, in "
+    "test_the_site_builds_strictly",
 }
 
 
@@ -88,49 +111,91 @@ def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
-def test_readme_has_examples() -> None:
+def _page(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def test_the_pages_have_examples() -> None:
     assert len(SCRIPTS) >= 2
     assert {"myjob.py", "job.toml"} <= set(FILES)
+    # The README's one example is among them: a hand-written loop with launch.
+    (example,) = [b for b in README_BLOCKS if b.lang == "python"]
+    assert "ddpkit.launch(" in example.body and "prepare_loader" in example.body
 
 
 def test_every_block_is_one_the_tests_know() -> None:
-    for block in BLOCKS:
+    for block in ALL_BLOCKS:
         assert block.lang in ("python", "toml", "sh", "console", "diff", "yaml", ""), block
         if block.lang == "toml":
             assert block.file_name, f"{block}: start it with the file's name, # NAME.toml"
 
 
+def test_the_readme_is_a_quickstart() -> None:
+    """At most 200 lines: what ddpkit is, its two commands, one example, the Fabric and
+    Accelerate table, and links to the manual for everything else."""
+    assert len(README.splitlines()) <= 200
+    assert [b.lang for b in README_BLOCKS] == ["sh", "sh", "python"]
+    for page in ("port", "mapping", "cli", "check", "verify", "fsdp", "preemption", "api"):
+        assert f"](docs/{page}.md)" in README, page
+
+
 def test_ci_runs_the_readme_test_command() -> None:
-    """The README's second command (the tests) is the one .ci/run runs."""
-    install, tests = SHELL[0], SHELL[1]
-    assert "ddpkit train" in install.body
+    """The README's two commands: the first installs and trains, the second (the tests)
+    is the one .ci/run runs; the pages that repeat them repeat them exactly."""
+    install, tests = README_BLOCKS[0], README_BLOCKS[1]
+    assert install.body.rstrip().endswith(".venv/bin/ddpkit train"), install.body
     command = tests.body.strip()
     assert command.endswith('-m pytest -m "not slow"'), command
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+    # The venv and the constraints of the install are those of the tests.
+    assert install.body.startswith("python3 -m venv .venv && .venv/bin/pip install ")
+    assert "-c constraints.txt -e " in install.body
+    copies = [b for b in ALL_BLOCKS if b.page != "README.md" and "pip install" in b.body]
+    assert copies
+    for block in copies:
+        assert block.body in (install.body, tests.body), f"{block}: not the README's command"
+
+
+def test_the_mapping_table_is_the_readmes() -> None:
+    """The Fabric/Accelerate table is in the README and on the site, the same."""
+
+    def table(text: str) -> str:
+        match = re.search(r"^\| Fabric \| Accelerate \| ddpkit \|\n(?:\|.*\n)+", text, re.M)
+        assert match, "no Fabric/Accelerate table"
+        return match.group(0)
+
+    readme, site = table(README), table(_page("mapping.md"))
+    assert readme == site
+    assert readme.count("\n") >= 15
 
 
 def test_checkpoint_names_are_as_written() -> None:
     """Checkpoints are `ckpt-000000069.pt` (the step, 9 digits): no `ckpt-<step>.pt`."""
-    assert "ckpt-<" not in README
-    for name in re.findall(r"ckpt-\d+\.(?:pt|dcp)", README):
-        assert re.fullmatch(r"ckpt-\d{9}\.(?:pt|dcp)", name), name
+    for page in PAGES:
+        text = page.read_text()
+        assert "ckpt-<" not in text, page.name
+        for name in re.findall(r"ckpt-\d+\.(?:pt|dcp)", text):
+            assert re.fullmatch(r"ckpt-\d{9}\.(?:pt|dcp)", name), (page.name, name)
 
 
 def test_relative_links_exist() -> None:
-    for target in re.findall(r"\]\(([^)#\s]+)\)", README):
+    """The README's links (the site's own are checked by `mkdocs build --strict`)."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", README)
+    assert len(targets) >= 10
+    for target in targets:
         if "://" not in target:
             assert (ROOT / target).exists(), target
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SCRIPTS)))
-def test_readme_example_runs(index: int, tmp_path: Path) -> None:
+def test_example_runs(index: int, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(SCRIPTS[index].body)
     out = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
     )
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 0, f"{SCRIPTS[index]}\n{out.stderr}"
     assert out.stdout.strip()
 
 
@@ -154,18 +219,23 @@ def _check_two_runs_and_their_plots(results: list[dict[str, object]], cwd: Path)
 
 
 # What each shell block's commands must have done, beyond exiting 0; keyed by a line
-# of the block. A block without an entry only has to run.
+# of the block, and the page the block is on. A block without an entry only has to run.
 _CHECKS = {
-    "--resume --json": _check_resume_gives_the_same_model,
-    "ddpkit plot runs/bf16 runs/fp32": _check_two_runs_and_their_plots,
+    "--resume --json": ("docs/cli.md", _check_resume_gives_the_same_model),
+    "ddpkit plot runs/bf16 runs/fp32": ("docs/jobs.md", _check_two_runs_and_their_plots),
 }
+
+
+def test_each_checked_block_is_where_its_check_says() -> None:
+    for key, (page, _) in _CHECKS.items():
+        assert [b.page for b in SHELL if key in b.body] == [page], key
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(SHELL)))
-def test_readme_shell_block_runs(index: int, tmp_path: Path) -> None:
+def test_shell_block_runs(index: int, tmp_path: Path) -> None:
     """Run the block's commands in order in an empty folder that holds the files the
-    README names (myjob.py, job.toml), as a reader who saved them would."""
+    pages name (myjob.py, job.toml), as a reader who saved them would."""
     block = SHELL[index]
     for name, text in FILES.items():
         (tmp_path / name).write_text(text)
@@ -178,7 +248,7 @@ def test_readme_shell_block_runs(index: int, tmp_path: Path) -> None:
         assert out.returncode == 0, f"{block}: {shlex.join(command[2:])}\n{out.stderr}"
         if "--json" in command:
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    for key, check in _CHECKS.items():
+    for key, (_, check) in _CHECKS.items():
         if key in block.body:
             check(results, tmp_path)
 
@@ -190,10 +260,14 @@ def _label(line: str) -> str:
     return head if head != "likely cause" else f"{head}:{rest.split(':')[0]}"
 
 
+def test_the_console_blocks_are_verifys() -> None:
+    assert [b.page for b in CONSOLE] == ["docs/verify.md"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CONSOLE)))
-def test_readme_console_block_prints_what_it_shows(index: int, tmp_path: Path) -> None:
-    """Each `$ ` command runs and prints what the README shows: its first line as
+def test_console_block_prints_what_it_shows(index: int, tmp_path: Path) -> None:
+    """Each `$ ` command runs and prints what the page shows: its first line as
     written, then lines that say the same things (the digits of a float64 difference
     depend on the torch build, so they are not compared)."""
     sessions: list[tuple[str, list[str]]] = []
@@ -214,7 +288,7 @@ def test_readme_console_block_prints_what_it_shows(index: int, tmp_path: Path) -
 
 
 def _port_versions() -> tuple[str, str, int]:
-    """(the one-GPU script, its ddpkit version, lines changed) from the README's diff."""
+    """(the one-GPU script, its ddpkit version, lines changed) from docs/port.md's diff."""
     (diff,) = [b.body for b in BLOCKS if b.lang == "diff"]
     old, new, changed = [], [], 0
     for line in diff.splitlines():
@@ -232,11 +306,18 @@ def _port_versions() -> tuple[str, str, int]:
     return "\n".join(old) + "\n", "\n".join(new) + "\n", changed
 
 
-@pytest.mark.slow
-def test_the_ported_script_runs_and_changes_at_most_15_lines(tmp_path: Path) -> None:
+def test_the_port_says_how_many_lines_change() -> None:
     old, new, changed = _port_versions()
     compile(old, "single_gpu.py", "exec")  # the "before" is a whole, valid script
-    assert changed <= 15 and f"with {changed} changed lines" in README
+    compile(new, "train.py", "exec")
+    assert [b.page for b in BLOCKS if b.lang == "diff"] == ["docs/port.md"]
+    assert changed <= 15 and f"with {changed} changed lines" in _page("port.md")
+    assert f"with {changed} changed lines" in README
+
+
+@pytest.mark.slow
+def test_the_ported_script_runs(tmp_path: Path) -> None:
+    _, new, _ = _port_versions()
     script = tmp_path / "train.py"
     script.write_text(new)
     out = subprocess.run(
@@ -255,7 +336,8 @@ def test_the_ported_script_runs_and_changes_at_most_15_lines(tmp_path: Path) -> 
     ]
 
 
-# Each case the README's hang section names, and the tests that show it on real processes.
+# Each case the hang section of docs/run.md names, and the tests that show it on real
+# processes.
 HANG_CASES = {
     # stopped
     "the ranks wait in different": [
@@ -306,10 +388,11 @@ HANG_CASES = {
 
 
 def test_every_case_of_the_hang_section_has_its_tests() -> None:
-    section = README[README.index("- **hangs**: every worker reports") :]
+    page = _page("run.md")
+    section = page[page.index("- **hangs**: every worker reports") :]
     section = section[: section.index("With several machines")]
     for words, tests in HANG_CASES.items():
-        assert words in section, f"the README no longer says {words!r}: update HANG_CASES"
+        assert words in section, f"docs/run.md no longer says {words!r}: update HANG_CASES"
         for test in tests:
             path, name = test.split("::")
             assert f"def {name}(" in (ROOT / "tests" / path).read_text(), test
