@@ -385,7 +385,7 @@ def _precision_fit(ctx: ddpkit.DistContext, precision: str) -> Facts:
     return {
         "losses": losses,
         "device": str(next(trainer.model.parameters()).device),
-        "scale": trainer.scaler.get_scale() if trainer.scaler else None,
+        "scale": trainer.precision.scaler.get_scale() if trainer.precision.scaler else None,
     }
 
 

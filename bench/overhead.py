@@ -69,8 +69,8 @@ import ddpkit
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "overhead.json"
 TARGET_RATIO = 0.98
 CONTESTANTS = ("hand", "ddpkit")
-OVERHEAD_WORKLOADS = ("seed", "mlp")
-QUICK_EPOCHS = {"seed": 10, "mlp": 1, "cnn": 1}
+OVERHEAD_WORKLOADS = ("linear", "mlp")
+QUICK_EPOCHS = {"linear": 10, "mlp": 1, "cnn": 1}
 
 
 def run_all(

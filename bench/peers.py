@@ -1,7 +1,7 @@
 """ddpkit against the tutorial's hand-written loop, HuggingFace Accelerate and Lightning
 Fabric, on the same work.
 
-Three workloads (`tutorial.py`): `seed`, the tutorial's regression (Linear 20->1);
+Three workloads (`tutorial.py`): `linear`, the tutorial's regression (Linear 20->1);
 `mlp`, compute-bound (512-1024-1024-1); `cnn`, two conv+BatchNorm blocks on 3x32x32
 synthetic images. Four contestants (`peers_jobs.py`): `hand`, `ddpkit`, `accelerate`,
 `fabric`, each written the way its docs recommend, plus `ddpkit+syncbn` on the
@@ -95,7 +95,7 @@ TARGET_PEER = 1.0  # ... and >= each peer's
 TARGET_FIRST_STEP = 0.5  # time to first step <= 0.5 x the hand-written loop's
 TARGET_SYNCBN = 1.10  # plain-BN samples/s over synchronised-BN samples/s <= 1.10
 TARGET_SCALING = 0.75  # MLP samples/s at 2 ranks >= 0.75 x 2 x one process's
-QUICK_EPOCHS = {"seed": 8, "mlp": 1, "cnn": 1}
+QUICK_EPOCHS = {"linear": 8, "mlp": 1, "cnn": 1}
 Say = Callable[[str], None]
 
 

@@ -6,7 +6,7 @@ and its ranks agree on the step to stop after with a small all-reduce (the stop 
 15-50 % of the few-millisecond steps of a small CPU job; it now runs about every
 0.1 s of steps.
 
-Two configurations of the same job (the DDP tutorial's linear regression, `seed`
+Two configurations of the same job (the DDP tutorial's linear regression, the `linear`
 example, batch 32) with the same checkpoint folder settings, so that both save the
 same checkpoints:
 

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.examples.linear import dataset as seed_dataset
+from ddpkit.examples.linear import dataset as linear_dataset
 
 # Public in torch.distributed, but not re-exported in its type stubs.
 TCPStore: Any = dist.TCPStore  # type: ignore[attr-defined]
@@ -48,8 +48,8 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    "seed": Workload(
-        "seed", "2,048 (20->1) pairs, Linear(20,1), SGD lr 1e-3", 2048, 32, epochs=40, lr=1e-3
+    "linear": Workload(
+        "linear", "2,048 (20->1) pairs, Linear(20,1), SGD lr 1e-3", 2048, 32, epochs=40, lr=1e-3
     ),
     "mlp": Workload(
         "mlp",
@@ -106,8 +106,8 @@ def load_train_objs(
     """The tutorial's `load_train_objs`: the same seeded data and model on every rank."""
     torch.manual_seed(0)
     model: nn.Module
-    if workload.name == "seed":
-        train_set: Dataset[Any] = seed_dataset(workload.samples)
+    if workload.name == "linear":
+        train_set: Dataset[Any] = linear_dataset(workload.samples)
         model = nn.Linear(20, 1)
     elif workload.name == "mlp":
         train_set = mlp_dataset(workload.samples)

@@ -291,8 +291,30 @@ ROWS = [
         "--hang-timeout must be a finite number",
         needs=("s.py",),
     ),
-    Row("signal-grace-nan", ("train", "--signal-grace", "nan"), "signal_grace must be"),
-    Row("signal-grace-0", ("train", "--signal-grace", "0"), "pass --signal-grace 60"),
+    Row(
+        "signal-grace-nan",
+        ("train", "--signal-grace", "nan"),
+        "the signal grace must be a number of seconds > 0 (got nan)",
+    ),
+    Row(
+        "signal-grace-0",
+        ("train", "--signal-grace", "0"),
+        "pass --signal-grace 60, or signal_grace=60 in Python",
+    ),
+    # launch() checks these for `ddpkit train` and for Python callers: both names.
+    Row(
+        "train-hang-timeout-negative",
+        ("train", "--hang-timeout", "-1"),
+        "the hang timeout must be >= 0 seconds (got -1.0): pass --hang-timeout 300, or "
+        "hang_timeout=300 in Python (0 turns it off)",
+    ),
+    Row(
+        "train-hang-timeout-above-the-collective-timeout",
+        ("train", "--hang-timeout", "3600"),
+        "the hang timeout (3600 s) must not exceed the collective timeout (1800 s), when the "
+        "collectives fail anyway: pass --hang-timeout 1800 or less, or in Python "
+        "hang_timeout=1800 or less (or a larger timeout=)",
+    ),
     Row("on-signal-maybe", ("train", "--on-signal", "maybe"), "one of save, stop"),
     Row("export-missing", ("export", "nope", "out.pt"), "nope does not exist"),
     Row("export-empty-folder", ("export", "adir", "out.pt"), "no checkpoint in", needs=("adir",)),

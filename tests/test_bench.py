@@ -44,7 +44,7 @@ def _run(
     rate: float,
     digest: str = "A",
     world: int = 0,
-    workload: str = "seed",
+    workload: str = "linear",
     cpu: float | None = None,
 ) -> Any:
     return {
@@ -65,7 +65,7 @@ def _run(
 
 def _start(n: int, who: str, first_step_s: float, rss: list[float]) -> Any:
     return {
-        "workload": "seed",
+        "workload": "linear",
         "nprocs": n,
         "repeat": 0,
         "contestant": who,
@@ -120,7 +120,7 @@ def _made_up() -> tuple[list[Any], list[Any]]:
 def test_peers_summary_ratios_scaling_and_targets(peers: ModuleType) -> None:
     runs, starts = _made_up()
     rows = peers.summarize(runs, starts)
-    assert [(r["workload"], r["nprocs"]) for r in rows] == [("seed", 1), ("seed", 2)]
+    assert [(r["workload"], r["nprocs"]) for r in rows] == [("linear", 1), ("linear", 2)]
     one, two = (r["contestants"] for r in rows)
     assert one["hand"]["median"] == 110.0 and one["ddpkit"]["median"] == 140.0
     assert one["ddpkit"]["ratio_to_hand"] == pytest.approx(140 / 110)
@@ -135,29 +135,30 @@ def test_peers_summary_ratios_scaling_and_targets(peers: ModuleType) -> None:
     assert two["fabric"]["same_model_as_hand"] and not two["accelerate"]["same_model_as_hand"]
 
     scale = {s["workload"]: s["efficiency"] for s in peers.scaling(rows)}
-    assert scale["seed"]["ddpkit"] == pytest.approx(66 / (2 * 140))
-    assert scale["seed"]["hand"] == pytest.approx(60 / (2 * 110))
+    assert scale["linear"]["ddpkit"] == pytest.approx(66 / (2 * 140))
+    assert scale["linear"]["hand"] == pytest.approx(60 / (2 * 110))
 
     verdicts = {(t["row"], t["target"]): t["met"] for t in peers.targets(rows, [])}
-    assert verdicts[("seed/1", "samples/s vs hand")]
-    assert not verdicts[("seed/1", "samples/s vs fabric")]  # 140 < 150
-    assert verdicts[("seed/1", "first step vs fabric")]  # 2.0 s < 2.2 s
-    assert not verdicts[("seed/1", "first step vs hand")]  # 2.0 / 3.0 > 0.5
-    assert not verdicts[("seed/2", "first step vs accelerate")]  # 3.3 s > 3.2 s
-    assert verdicts[("seed/2", "samples/s vs hand")]  # 1.1 >= 1.0
-    assert verdicts[("seed/1", "CPU time per sample vs hand")]  # 9 us <= 10 us
-    assert ("seed/2", "CPU time per sample vs hand") not in verdicts  # one process only
+    assert verdicts[("linear/1", "samples/s vs hand")]
+    assert not verdicts[("linear/1", "samples/s vs fabric")]  # 140 < 150
+    assert verdicts[("linear/1", "first step vs fabric")]  # 2.0 s < 2.2 s
+    assert not verdicts[("linear/1", "first step vs hand")]  # 2.0 / 3.0 > 0.5
+    assert not verdicts[("linear/2", "first step vs accelerate")]  # 3.3 s > 3.2 s
+    assert verdicts[("linear/2", "samples/s vs hand")]  # 1.1 >= 1.0
+    assert verdicts[("linear/1", "CPU time per sample vs hand")]  # 9 us <= 10 us
+    assert ("linear/2", "CPU time per sample vs hand") not in verdicts  # one process only
 
     # fabric with two ranks reported a world size of 1: the checks say so
     problems = peers.check_lines(rows)
-    assert problems == ["seed/2 fabric: saw world size(s) [1, 2], not 2"]
+    assert problems == ["linear/2 fabric: saw world size(s) [1, 2], not 2"]
 
     text = peers.report(rows, peers.scaling(rows), peers.targets(rows, []), markdown=True)
     assert (
-        "| seed | 1 | 110 | 140 (1.27) | 100 (0.91) | 150 (1.36) | 1.273 | 1.400 | 0.933 |" in text
+        "| linear | 1 | 110 | 140 (1.27) | 100 (0.91) | 150 (1.36) | 1.273 | 1.400 | 0.933 |"
+        in text
     )
-    assert "| seed | ddpkit | 1 | 2.00 | 1.00 | 290 |" in text
-    assert "- seed/1 samples/s vs fabric: 0.933 (need >= 1.0) MISSED" in text
+    assert "| linear | ddpkit | 1 | 2.00 | 1.00 | 290 |" in text
+    assert "- linear/1 samples/s vs fabric: 0.933 (need >= 1.0) MISSED" in text
 
 
 def test_peers_syncbn_cost_and_mlp_scaling_targets(peers: ModuleType) -> None:
@@ -212,8 +213,8 @@ def _bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.slow
 def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
-    args = ["--contestants", "hand,ddpkit", "--workloads", "seed", "--nprocs", "2"]
-    proc = _bench("peers.py", *args, "--start-workloads", "seed", "--quick", "--out", str(out))
+    args = ["--contestants", "hand,ddpkit", "--workloads", "linear", "--nprocs", "2"]
+    proc = _bench("peers.py", *args, "--start-workloads", "linear", "--quick", "--out", str(out))
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
     hand, ours = row["contestants"]["hand"], row["contestants"]["ddpkit"]

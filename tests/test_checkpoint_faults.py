@@ -32,7 +32,7 @@ from tests.conftest import ROOT, run_cli, wait_for_files, wait_gone
 
 CTX = DistContext()
 DDPKIT = [sys.executable, "-m", "ddpkit"]
-SEED = "train --example linear --nproc 2 --epochs 1"  # 32 steps, a 28 KiB checkpoint
+LINEAR_JOB = "train --example linear --nproc 2 --epochs 1"  # 32 steps, a 28 KiB checkpoint
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
@@ -145,7 +145,7 @@ def _limit_file_size(limit: int) -> Any:
 def test_a_run_folder_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [*DDPKIT, *SEED.split(), "--run-dir", str(run_dir), "--log-every", "1"],
+        [*DDPKIT, *LINEAR_JOB.split(), "--run-dir", str(run_dir), "--log-every", "1"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -185,7 +185,7 @@ def test_a_second_job_in_the_folder_is_refused_and_a_dead_ones_lock_is_taken_ove
     folder = tmp_path / "ck"
     (tmp_path / "paused.py").write_text(_PAUSED_JOB)
     mark = tmp_path / "rank0.pid"
-    paused = SEED.replace("--example linear", f"--job {tmp_path / 'paused.py'}:build")
+    paused = LINEAR_JOB.replace("--example linear", f"--job {tmp_path / 'paused.py'}:build")
     first = subprocess.Popen(
         [*DDPKIT, *paused.split(), "--checkpoint-dir", str(folder)],
         cwd=ROOT,
@@ -196,7 +196,7 @@ def test_a_second_job_in_the_folder_is_refused_and_a_dead_ones_lock_is_taken_ove
     try:
         wait_for_files([mark], within=120)
         owner = int(mark.read_text())
-        second = run_cli(*SEED.split(), "--checkpoint-dir", str(folder))
+        second = run_cli(*LINEAR_JOB.split(), "--checkpoint-dir", str(folder))
         line = _one_line_error(second)
         assert f"checkpoint folder {folder} is in use by another job" in line, line
         assert f"pid {owner} on {socket.gethostname()}" in line, line
@@ -207,7 +207,7 @@ def test_a_second_job_in_the_folder_is_refused_and_a_dead_ones_lock_is_taken_ove
         first.wait()
     assert wait_gone([owner]) == []
     assert (folder / "ddpkit.lock").exists()
-    third = run_cli(*SEED.split(), "--checkpoint-dir", str(folder), "--resume")
+    third = run_cli(*LINEAR_JOB.split(), "--checkpoint-dir", str(folder), "--resume")
     assert third.returncode == 0, third.stderr
     assert f"took over the lock {folder / 'ddpkit.lock'} of pid {owner}" in third.stderr
     assert "no longer running" in third.stderr
@@ -301,8 +301,8 @@ def test_a_save_never_deletes_a_temporary_file_that_another_process_is_writing(
 @pytest.mark.slow
 def test_resuming_another_models_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
     folder = tmp_path / "ck"
-    seed = ("train", "--example", "linear", "--nproc", "2", "--checkpoint-dir", str(folder))
-    assert run_cli(*seed, "--epochs", "1").returncode == 0
+    linear = ("train", "--example", "linear", "--nproc", "2", "--checkpoint-dir", str(folder))
+    assert run_cli(*linear, "--epochs", "1").returncode == 0
     (written,) = list_checkpoints(folder)
     digits = ("train", "--example", "digits", "--nproc", "2", "--epochs", "1")
     for form in ("new", "old"):
@@ -320,7 +320,7 @@ def test_resuming_another_models_checkpoint_is_refused_in_one_line(tmp_path: Pat
             assert "written for torch.nn.Linear (fingerprint " in line, line
             assert "by `python -m ddpkit train --example linear" in line, line
         assert "'weight'" in line and "--checkpoint-dir" in line, line
-    resumed = run_cli(*seed, "--epochs", "2", "--resume")  # the right model: old format loads
+    resumed = run_cli(*linear, "--epochs", "2", "--resume")  # the right model: old format loads
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from {written} at epoch 2" in resumed.stdout
 
@@ -329,7 +329,7 @@ def test_resuming_another_models_checkpoint_is_refused_in_one_line(tmp_path: Pat
 
 
 def _fit_and_listen(ctx: DistContext, config: TrainConfig) -> list[list[str]]:
-    """Fit the seed job; every rank's printed lines and ddpkit log records, in order."""
+    """Fit the linear example; every rank's printed lines and ddpkit log records, in order."""
     heard: list[str] = []
 
     class Listen(logging.Handler):

@@ -33,7 +33,7 @@ def test_default_job_trains_digits_on_every_core_to_95_percent() -> None:
 
 
 @pytest.mark.slow
-def test_seed_job_resumed_after_two_epochs_matches_four_straight(tmp_path: Path) -> None:
+def test_linear_example_resumed_after_two_epochs_matches_four_straight(tmp_path: Path) -> None:
     common = ("train", "--example", "linear", "--nproc", "2", "--json")
     straight = _result(run_cli(*common, "--epochs", "4", "--checkpoint-dir", str(tmp_path / "a")))
     first = _result(run_cli(*common, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "b")))

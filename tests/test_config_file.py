@@ -396,7 +396,7 @@ def test_spec_without_module_and_function(spec: str) -> None:
 
 
 def test_relative_module_name() -> None:
-    assert "relative module name" in error_of(lambda: load_job(".seed:build"))
+    assert "relative module name" in error_of(lambda: load_job(".linear:build"))
 
 
 def test_no_such_module() -> None:

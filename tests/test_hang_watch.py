@@ -54,7 +54,9 @@ def test_work_in_a_thread_that_the_main_thread_joins_is_not_stopped(
 ) -> None:
     assert launch(_work_in_a_thread, nprocs=2, hang_timeout=HANG_TIMEOUT) == "done"
     err = capfd.readouterr().err
-    assert "rank 0 is working" in err and "rank 1: in barrier" in err
+    assert "rank 1 has waited" in err and "for rank 0: rank 0 is busy (using the CPU" in err
+    assert "rank 1: in barrier" in err
+    assert "work that rank 0 must do before the others" in err  # rank_zero_first, named
 
 
 def _deadlock_beside_idle_loader_workers(ctx: DistContext) -> None:
@@ -163,8 +165,8 @@ def test_a_busy_child_is_work_and_an_idle_one_is_only_uncertain(
     # timeout at most, with notices that say so.
     assert launch(_children_then_barrier, nprocs=2, hang_timeout=HANG_TIMEOUT) == "done"
     err = capfd.readouterr().err
-    assert "rank 0 is working at" in err
-    assert "rank 0 is waiting for an idle child process at" in err
+    assert "rank 0 is busy (using the CPU or reading data) at" in err
+    assert "rank 0 is waiting for a child process that uses no CPU at" in err
     assert "rank 1: in barrier" in err
 
 

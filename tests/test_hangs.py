@@ -70,7 +70,10 @@ def _sleep_forever(ctx: DistContext) -> None:
         pytest.param(
             _recv_never_sent, ["rank 0: in recv", "rank 1: in barrier"], marks=pytest.mark.slow
         ),
-        (_sleep_forever, ["rank 1: in barrier", "rank 0: not in a collective", "time.sleep"]),
+        (
+            _sleep_forever,
+            ["rank 1: in barrier", "rank 0: not in a collective: idle (no CPU", "time.sleep"],
+        ),
     ],
 )
 def test_a_true_hang_is_stopped_within_the_hang_timeout(fn: object, words: list[str]) -> None:
@@ -98,6 +101,7 @@ def test_a_call_that_blocks_without_cpu_longer_than_the_hang_timeout_is_stopped(
         launch(_sleep_in_one_call, nprocs=2, hang_timeout=HANG_TIMEOUT)
     assert time.monotonic() - start < 4 * HANG_TIMEOUT
     assert "rank 0 stayed at one line without using the CPU" in info.value.summary
+    assert "if that call would have returned, raise the hang timeout" in info.value.summary
 
 
 def _hold_the_gil(ctx: DistContext, items: int) -> str:
@@ -185,13 +189,21 @@ def test_a_polling_rank_gets_notices_then_stops_at_the_collective_timeout(
         launch(_poll, nprocs=2, hang_timeout=HANG_TIMEOUT, timeout=20)
     elapsed = time.monotonic() - start
     assert 20 - 3 <= elapsed < 20 + 10 + 5
-    assert "stopped at the collective timeout" in info.value.summary
-    assert "rank 0 is polling" in capfd.readouterr().err
+    stopped = "which stayed polling (it wakes up, but uses no CPU); stopped at the collective "
+    assert stopped + "timeout (20 s)" in info.value.summary
+    err = capfd.readouterr().err
+    assert "rank 0 is polling (it wakes up, but uses no CPU)" in err
+    assert "If rank 0 is waiting for something that never comes, the job is stopped at" in err
 
 
 def test_hang_timeout_may_not_exceed_the_collective_timeout() -> None:
-    with pytest.raises(ConfigError, match="must not exceed timeout"):
+    with pytest.raises(ConfigError) as info:
         launch(_poll, nprocs=2, hang_timeout=60, timeout=30)
+    assert str(info.value) == (
+        "the hang timeout (60 s) must not exceed the collective timeout (30 s), when the "
+        "collectives fail anyway: pass --hang-timeout 30 or less, or in Python "
+        "hang_timeout=30 or less (or a larger timeout=)"
+    )
 
 
 # -- smaller defects ---------------------------------------------------------------------

@@ -24,11 +24,11 @@ import ddpkit
 from ddpkit import DistContext, launch
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.model import find_ddp
-from ddpkit.parallel.precision import _autocast_problem
+from ddpkit.parallel.precision import Precision, _autocast_or_problem
 from ddpkit.parallel.ranks import all_gather, all_gather_object, broadcast_object
 from ddpkit.parallel.sync import no_backward_sync
 
-FP16_ON_CPU = _autocast_problem("cpu", torch.float16) is None
+FP16_ON_CPU = not isinstance(_autocast_or_problem("cpu", torch.float16), str)
 
 
 # -- what each rank runs ----------------------------------------------------------------
@@ -461,3 +461,19 @@ def test_an_unknown_precision_names_the_allowed_ones() -> None:
     text = str(info.value)
     assert all(f"'{p}'" in text for p in ("32", "bf16", "fp16", "bf16-mixed", "16-mixed"))
     assert "'fp8'" in text and "\n" not in text
+
+
+def test_precision_autocast_nests_and_restores() -> None:
+    """Precision reuses one torch.autocast across steps; entered twice at once it must
+    still leave autocast as it found it."""
+    prec = Precision("bf16", DistContext.single("cpu"))
+    assert not torch.is_autocast_cpu_enabled()
+    with prec.autocast():
+        with prec.autocast():
+            assert torch.is_autocast_cpu_enabled()
+        assert torch.is_autocast_cpu_enabled()  # the outer one is still open
+    assert not torch.is_autocast_cpu_enabled()
+    for _ in range(3):  # and again, one after another
+        with prec.autocast():
+            assert torch.is_autocast_cpu_enabled()
+    assert not torch.is_autocast_cpu_enabled()

@@ -5,7 +5,7 @@ feature of `tests/matrix_jobs.py` (run log with progress, uneven eval batches,
 accumulation, uneven map-style shards (alone and with accumulation), uneven
 IterableDataset shards, dict batches, bf16, clipping, save_every_steps, BatchNorm
 without sync, loader workers with augmentation, and the hand-written loop with ddpkit's
-helpers). On every cell, DESIGN.md's correctness contract:
+helpers). On every cell, ddpkit's correctness contract:
 
 - no hang: each run is stopped by launch's hang watch (`HANG_TIMEOUT`) or, for one
   process, by the child process's deadline, and the whole cell by pytest-timeout;

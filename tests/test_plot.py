@@ -424,16 +424,23 @@ def test_cli_x_samples_writes_other_charts_than_by_step(tmp_path: Path) -> None:
     assert (tmp_path / "s" / "loss.png").read_bytes() != (tmp_path / "t" / "loss.png").read_bytes()
 
 
-def test_cli_samples_axis_of_an_old_log_is_one_error_line(tmp_path: Path) -> None:
-    new = _write_run(tmp_path / "new-run", _records(1000.0))
-    old_lines = [{k: v for k, v in r.items() if k != "samples_seen"} for r in _records(1000.0)]
-    old = _write_run(tmp_path / "old-run", old_lines)
+def test_cli_samples_axis_of_a_log_without_samples_seen_is_one_error_line(
+    tmp_path: Path,
+) -> None:
+    full = _write_run(tmp_path / "full-run", _records(1000.0))
+    bare_lines = [{k: v for k, v in r.items() if k != "samples_seen"} for r in _records(1000.0)]
+    bare = _write_run(tmp_path / "bare-run", bare_lines)
     out = tmp_path / "out"
-    proc = run_cli("plot", str(new), str(old), "--x", "samples", "--out", str(out))
-    _one_error_line(proc, "old-run", "samples_seen", "--x step", "rerun")
-    assert "new-run" not in proc.stderr
+    proc = run_cli("plot", str(full), str(bare), "--x", "samples", "--out", str(out))
+    _one_error_line(
+        proc,
+        f"{bare / 'metrics.jsonl'} has no samples_seen in any line, so it cannot be drawn by "
+        "samples seen: plot that run with --x step or --x time, or rerun its training with "
+        "ddpkit, which logs samples_seen",
+    )
+    assert "full-run" not in proc.stderr
     assert not out.exists()
-    proc = run_cli("plot", str(new), str(old), "--x", "step", "--out", str(out), timeout=120)
+    proc = run_cli("plot", str(full), str(bare), "--x", "step", "--out", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
 
 

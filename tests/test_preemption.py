@@ -26,7 +26,7 @@ from ddpkit.errors import PREEMPTED_EXIT, Preempted, WorkerError
 from tests.conftest import run_cli, wait_gone
 
 EPOCHS = 24
-SEED_JOB = ("train", "--example", "linear", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
+LINEAR_JOB = ("train", "--example", "linear", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
 TRIALS = 6
 
 
@@ -38,7 +38,7 @@ def _digest(proc: subprocess.CompletedProcess[str]) -> str:
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = tmp_path_factory.mktemp("straight")
-    return _digest(run_cli(*SEED_JOB, "--checkpoint-dir", str(folder)))
+    return _digest(run_cli(*LINEAR_JOB, "--checkpoint-dir", str(folder)))
 
 
 def _workers(parent: int) -> list[int]:
@@ -60,7 +60,7 @@ def _interrupt(folder: Path, rng: random.Random, target: str) -> tuple[int, bool
     at a random moment of training; once every process of it is gone, return its exit
     status and whether its last epoch had ended."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit", *SEED_JOB, "--checkpoint-dir", str(folder)],
+        [sys.executable, "-m", "ddpkit", *LINEAR_JOB, "--checkpoint-dir", str(folder)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -112,7 +112,7 @@ def test_sigterm_at_random_moments_resumes_to_the_uninterrupted_model(
         for name in names:
             if name.endswith(".pt"):  # every checkpoint is whole
                 torch.load(folder / name, weights_only=True)
-        resumed = run_cli(*SEED_JOB, "--checkpoint-dir", str(folder), "--resume")
+        resumed = run_cli(*LINEAR_JOB, "--checkpoint-dir", str(folder), "--resume")
         assert _digest(resumed) == straight, (trial, codes)
     # After the last epoch, once the ranks no longer listen: 0 (nothing left to stop),
     # 143, 1 (a worker that got it exits 143, a failed rank to the launcher) or -15 (in
@@ -317,7 +317,7 @@ def test_ddpkit_run_saves_on_a_signal_and_resumes(
 
 @pytest.mark.slow
 def test_ctrl_c_saves_and_says_how_to_continue(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "ddpkit", *SEED_JOB, "--checkpoint-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "ddpkit", *LINEAR_JOB, "--checkpoint-dir", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert _line_after_start(proc.stdout).startswith("epoch 1/")
@@ -326,7 +326,7 @@ def test_ctrl_c_saves_and_says_how_to_continue(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == PREEMPTED_EXIT, err
     assert "Ctrl-C again to stop at once" in err
-    assert f"to continue: ddpkit {' '.join(SEED_JOB)} --checkpoint-dir {tmp_path} --resume" in err
+    assert f"to continue: ddpkit {' '.join(LINEAR_JOB)} --checkpoint-dir {tmp_path} --resume" in err
     assert wait_gone(workers) == []
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
@@ -393,7 +393,7 @@ def test_the_sbatch_command_saves_on_usr1_and_its_requeued_run_resumes(
     straight: str, tmp_path: Path
 ) -> None:
     # docs/slurm/train.sbatch runs `ddpkit run -m ddpkit train ... --resume` each time.
-    train = [*SEED_JOB, "--checkpoint-dir", str(tmp_path), "--resume"]
+    train = [*LINEAR_JOB, "--checkpoint-dir", str(tmp_path), "--resume"]
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "-m", "ddpkit", *train]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -413,7 +413,7 @@ def test_ctrl_c_that_stops_at_once_names_the_newest_checkpoint_or_says_none(
     tmp_path: Path, checkpoints: bool
 ) -> None:
     folder = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "ddpkit", *SEED_JOB, "--on-signal", "stop"]
+    cmd = [sys.executable, "-m", "ddpkit", *LINEAR_JOB, "--on-signal", "stop"]
     if checkpoints:
         cmd += ["--checkpoint-dir", str(folder)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

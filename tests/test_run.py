@@ -37,7 +37,7 @@ dist.destroy_process_group()
 """
 )
 
-# The seed's warning: a collective under a rank check. Rank 0 waits in the barrier,
+# A collective under a rank check (`ddpkit check`'s DDP106). Rank 0 waits in the barrier,
 # rank 1 in the next all_reduce; neither ever returns.
 HANG = (
     PIDS
@@ -243,7 +243,8 @@ def test_a_rank_that_ended_its_script_is_described_as_finished(tmp_path: Path) -
     assert out.returncode == 124, out.stderr
     summary = out.stderr[out.stderr.index("ddpkit: the job is hung") :]
     assert "rank 0: finished" in summary and "shim.py" not in summary, summary
-    assert f"rank 1: not in a collective, at {script}:8" in summary, summary
+    idle = f"rank 1: not in a collective: idle (no CPU, no data read) at {script}:8"
+    assert idle in summary, summary
     assert wait_gone(_pids(tmp_path), within=5) == []
 
 

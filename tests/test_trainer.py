@@ -14,7 +14,8 @@ from torch.utils.data import TensorDataset
 from ddpkit import DistContext, launch
 from ddpkit.checkpoint.digest import model_digest
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.model import prepare_model, unwrap
+from ddpkit.parallel.model import unwrap
+from ddpkit.parallel.strategy import prepare_model
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.seed import seed_everything
 from ddpkit.training.config import TrainConfig

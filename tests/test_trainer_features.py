@@ -77,7 +77,7 @@ def _fit(ctx: DistContext, config: TrainConfig, opts: dict[str, Any]) -> dict[st
         "epochs": fit.epochs,
         "lr": opt.param_groups[0]["lr"],
         "metrics": record.epochs,
-        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+        "scaler": trainer.precision.scaler.state_dict() if trainer.precision.scaler else None,
         "stopped_early": fit.stopped_early,
     }
 

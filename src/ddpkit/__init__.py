@@ -22,7 +22,7 @@ _EXPORTS = {
     "TrainConfig": "ddpkit.training.config",
     "Callback": "ddpkit.training.trainer",
     "Job": "ddpkit.training.job",
-    "prepare_model": "ddpkit.parallel.model",
+    "prepare_model": "ddpkit.parallel.strategy",
     "prepare_loader": "ddpkit.parallel.data",
     "unwrap": "ddpkit.parallel.model",
     "Precision": "ddpkit.parallel.precision",
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from ddpkit.context import DistContext
     from ddpkit.errors import DdpkitError
     from ddpkit.parallel.data import prepare_loader
-    from ddpkit.parallel.model import prepare_model, unwrap
+    from ddpkit.parallel.model import unwrap
     from ddpkit.parallel.precision import Precision
     from ddpkit.parallel.ranks import (
         barrier,
@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from ddpkit.parallel.ranks import (
         print as print,
     )
+    from ddpkit.parallel.strategy import prepare_model
     from ddpkit.parallel.sync import accumulate
     from ddpkit.parallel.syncbn import convert_sync_batchnorm
     from ddpkit.processes.launcher import launch

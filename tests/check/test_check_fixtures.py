@@ -3,7 +3,7 @@
 Each fixture marks the lines that must be reported with `# expect: CODE`; a file
 without markers must come out clean. Files are named `ddpNNN_*.py` (must trigger
 DDPNNN) and `ddpNNN_ok_*.py` (a near miss that must not); `multigpu.py` and
-`multigpu_torchrun.py` are the PyTorch tutorial's scripts with DESIGN.md's fixes.
+`multigpu_torchrun.py` are the PyTorch tutorial's scripts with its defects fixed.
 """
 
 from __future__ import annotations

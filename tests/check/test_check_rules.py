@@ -219,7 +219,7 @@ def test_ddp103_needs_a_process_group() -> None:
         if master_process:
             torch.save({}, "ckpt.pt")
         """,
-        # The early exit of the seed's warning, the other way round.
+        # A rank check by early exit: every rank but 0 returns before the save.
         """
         def save(state):
             if dist.get_rank() != 0:

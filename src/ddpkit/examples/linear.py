@@ -1,4 +1,5 @@
-"""The PyTorch DDP tutorial's job: its small regression, with its defects fixed.
+"""`ddpkit train --example linear`: a small linear regression, the PyTorch DDP
+tutorial's job with its defects fixed.
 
 2,048 random (20 -> 1) pairs made from a fixed seed, so every rank holds the same
 dataset (the tutorial builds an unseeded one per rank); `Linear(20, 1)` trained with

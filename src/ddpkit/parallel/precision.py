@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -52,8 +53,9 @@ def use_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
-def _autocast_problem(device_type: str, dtype: torch.dtype) -> str | None:
-    """Why torch cannot autocast to `dtype` on this kind of device, or None if it can."""
+def _autocast_or_problem(device_type: str, dtype: torch.dtype) -> Any:
+    """A torch.autocast to `dtype` on this kind of device, or why torch cannot make one
+    (a str)."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -62,7 +64,7 @@ def _autocast_problem(device_type: str, dtype: torch.dtype) -> str | None:
         return str(exc).strip().splitlines()[0]
     if not getattr(ctx, "_enabled", True):  # older torch warns and turns autocast off
         return str(caught[0].message).strip().splitlines()[0] if caught else "not supported"
-    return None
+    return ctx
 
 
 class Precision:
@@ -100,10 +102,12 @@ class Precision:
         self.device_type = ctx.device.type
         self.dtype: torch.dtype | None = DTYPES[name]
         """The autocast dtype (None for "32")."""
+        self._autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.dtype is not None:
-            problem = _autocast_problem(self.device_type, self.dtype)
-            if problem is not None:
-                raise ConfigError(self._refusal(problem))
+            made = _autocast_or_problem(self.device_type, self.dtype)
+            if isinstance(made, str):
+                raise ConfigError(self._refusal(made))
+            self._autocast = _Autocast(made)
         self.scaler: torch.amp.GradScaler | None = None
         """The loss scaler under fp16, else None."""
         if name == "fp16":
@@ -133,12 +137,7 @@ class Precision:
             with prec.autocast():
                 loss = loss_fn(model(x), y)
         """
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        # A new one each call, unlike Trainer's single one: a torch.autocast keeps the
-        # state its exit restores on itself, so one shared context entered twice nested
-        # (a user's loop may) would leave autocast on after both exits.
-        return torch.autocast(self.device_type, dtype=self.dtype)
+        return self._autocast
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, on the loss multiplied by the loss scale under fp16."""
@@ -171,10 +170,16 @@ class Precision:
 
             norm = prec.clip_gradients(model, optimizer, max_norm=1.0)
         """
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+        self.unscale_gradients(optimizer)
         params = model.parameters() if isinstance(model, nn.Module) else model
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Under fp16, divide the gradients of `optimizer` by the loss scale now, to read
+        or change the true gradients before `step` (at most once per step; `step` then
+        does not unscale again). Nothing to do in other precisions."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
         """The loss scaler's state under fp16 (empty otherwise): save it in checkpoints."""
@@ -188,3 +193,32 @@ class Precision:
 
     def __repr__(self) -> str:
         return f"Precision({self.precision!r}, device_type={self.device_type!r})"
+
+
+class _Autocast:
+    """`torch.autocast`, entered again and again without building a new one each step.
+
+    A torch.autocast keeps on itself the state its exit restores, so one object must
+    not be open twice at once (nested, or in two threads): the spare one is used when
+    it is free, a new one otherwise. Building a torch.autocast costs a step about as
+    much as entering it."""
+
+    def __init__(self, spare: Any) -> None:
+        self._spare = spare
+        self._spare_open = False
+        self._open = threading.local()  # each thread's open contexts, innermost last
+
+    def __enter__(self) -> None:
+        ctx: Any = self._spare
+        if self._spare_open:
+            ctx = torch.autocast(self._spare.device, dtype=self._spare.fast_dtype)
+        else:
+            self._spare_open = True
+        self._open.__dict__.setdefault("stack", []).append(ctx)
+        ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        ctx = self._open.stack.pop()
+        ctx.__exit__(*exc)
+        if ctx is self._spare:
+            self._spare_open = False

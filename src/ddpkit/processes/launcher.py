@@ -396,20 +396,29 @@ def launch(
         raise ConfigError(f"start must be 'auto', 'fork', 'forkserver' or 'spawn' (got {start!r})")
     if hang_timeout is None:
         hang_timeout = min(DEFAULT_HANG_TIMEOUT, timeout)
+    # `ddpkit train` passes its flags on unchecked: each message names the flag and the
+    # keyword, for it cannot tell whom it speaks to.
     if not hang_timeout >= 0:
-        raise ConfigError(f"hang_timeout must be >= 0 seconds (got {hang_timeout}); 0 turns it off")
+        raise ConfigError(
+            f"the hang timeout must be >= 0 seconds (got {hang_timeout}): pass --hang-timeout "
+            f"{DEFAULT_HANG_TIMEOUT:.0f}, or hang_timeout={DEFAULT_HANG_TIMEOUT:.0f} in Python "
+            "(0 turns it off)"
+        )
     if not timeout > 0:
         raise ConfigError(f"timeout must be > 0 seconds (got {timeout}): pass timeout=1800")
     if not 0 < signal_grace < math.inf:
         raise ConfigError(
-            f"signal_grace must be a number of seconds > 0 (got {signal_grace}): "
-            f"pass --signal-grace {DEFAULT_SIGNAL_GRACE:.0f}"
+            f"the signal grace must be a number of seconds > 0 (got {signal_grace}): pass "
+            f"--signal-grace {DEFAULT_SIGNAL_GRACE:.0f}, or signal_grace="
+            f"{DEFAULT_SIGNAL_GRACE:.0f} in Python"
         )
     if hang_timeout > timeout:
         # A collective fails at `timeout`: a longer hang_timeout would never be reached.
         raise ConfigError(
-            f"hang_timeout ({hang_timeout:g} s) must not exceed timeout, the collective "
-            f"timeout ({timeout:g} s): pass hang_timeout={timeout:g} or less"
+            f"the hang timeout ({hang_timeout:g} s) must not exceed the collective timeout "
+            f"({timeout:g} s), when the collectives fail anyway: pass --hang-timeout "
+            f"{timeout:g} or less, or in Python hang_timeout={timeout:g} or less (or a larger "
+            "timeout=)"
         )
     if dist.is_available() and dist.is_initialized():
         # The caller set up the group itself (or we are nested): just run.

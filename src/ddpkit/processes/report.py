@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,9 @@ _EARLY_S = 3.0
 # Seconds without a new report from a live rank (its watch samples every second)
 # after which its main thread must be holding Python's lock.
 _SILENT_S = 5.0
+
+# How to raise the hang timeout, for users of the command line and of `launch` alike.
+_RAISE_HANG_TIMEOUT = "raise the hang timeout (--hang-timeout, or hang_timeout= in Python)"
 
 # Words of errors a rank raises because a peer died, not because it failed itself.
 _PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe", "aborted")
@@ -100,19 +103,25 @@ def read_reports(folder: Path, suffix: str = ".json") -> dict[int, dict[str, Any
 
 @dataclass
 class Hang:
-    """Evidence that the job cannot go on: why, and every rank's last report."""
+    """Evidence that the job cannot go on: why, every rank's last report, what each
+    rank was doing (`HangJudge._kind`), and what the user can do about it."""
 
     statuses: dict[int, dict[str, Any]]
     why: str
     now: float
+    kinds: dict[int, str] = field(default_factory=dict)
+    advice: list[str] = field(default_factory=list)
 
     def summary(self, world_size: int | None = None) -> str:
-        """A few lines: where each rank is, and who is missing from which collective."""
+        """A few lines: where each rank is, who is missing from which collective, and
+        what to look for."""
         ranks = sorted(self.statuses)
         lines = [f"ddpkit: the job is hung: {self.why}. Where each rank is:"]
         for rank in ranks:
-            lines.append(f"  rank {rank}: {_describe(self.statuses[rank], self.now)}")
+            status, kind = self.statuses[rank], self.kinds.get(rank)
+            lines.append(f"  rank {rank}: {_describe(status, self.now, kind)}")
         lines += self._missing(ranks if world_size is None else list(range(world_size)))
+        lines += [f"  {line}" for line in self.advice]
         return "\n".join(lines)
 
     def _missing(self, everyone: list[int]) -> list[str]:
@@ -140,19 +149,26 @@ class Hang:
         parts = []
         for rank in sorted(self.statuses):
             stack = "".join(self.statuses[rank].get("stack", []))
-            if self.statuses[rank].get("state") == "finished":
-                stack = "(finished)\n"
+            if self.statuses[rank].get("state") in ("finished", "released"):
+                stack = "(it has finished: no stack to show)\n"
             parts.append(f"--- Python stack of rank {rank} (most recent call last) ---\n{stack}")
         return "\n".join(parts).rstrip()
 
 
-def _describe(status: dict[str, Any], now: float) -> str:
+def _describe(status: dict[str, Any], now: float, kind: str | None = None) -> str:
+    """Where a rank is, and what it does there, in words: "in barrier (collective #4)
+    at train.py:12 in main", "not in a collective: idle (...) at train.py:30 in main"."""
     coll = status.get("collective")
     if status.get("state") == "finished":
-        return f"finished {now - float(status['since']):.0f} s ago"
+        return f"finished {now - float(status['since']):.0f} s ago: it calls no more collectives"
+    if status.get("state") == "released":
+        return "done: `launch` let it go, and rank 0 goes on alone"
     if coll:
         return f"in {coll['name']} (collective #{coll['seq']}) at {coll['where']}"
-    return f"not in a collective, at {status.get('where', '?')}"
+    where = status.get("where", "?")
+    if kind is None:
+        return f"not in a collective: at {where}"
+    return f"not in a collective: {_doing(status, kind)} at {where}"
 
 
 class HangJudge:
@@ -199,7 +215,7 @@ class HangJudge:
         waited = now - min(float(_since(statuses[r])) for r in waiters)
         if waited < self.timeout:
             return None, None
-        hang = Hang(statuses, "", now)
+        hang = Hang(statuses, "", now, kinds)
         # When every rank waits, the job is stuck only since the last one began to: a
         # report sampled a moment before its collective ended (or before the rank
         # returned) must not read as a long mismatch.
@@ -207,16 +223,21 @@ class HangJudge:
         if not others and settled < self.timeout:
             return None, None
         if all(kinds[r] == "parked" for r in others):
-            hang.why = self._why(statuses, kinds, waiters, others, waited)
+            hang.why, hang.advice = self._why(statuses, kinds, waiters, others, waited)
             return hang, None
         # Just before the collectives would fail on their own, so that the report says why.
         limit = None if self.collective_timeout is None else self.collective_timeout - _EARLY_S
         if limit is not None and waited >= limit and all(kinds[r] != "working" for r in others):
             how = " or ".join(sorted({_doing(statuses[r], kinds[r]) for r in others}))
             hang.why = (
-                f"{_ranks(waiters)} waited {waited:.0f} s, the collective timeout, while "
-                f"{_ranks(others)} kept {how}; stopped at the collective timeout"
+                f"{_ranks(waiters)} waited {waited:.0f} s for {_ranks(others)}, which stayed "
+                f"{how}; stopped at the collective timeout ({self.collective_timeout:g} s), "
+                "where the waits would fail anyway"
             )
+            hang.advice = [
+                f"{_stacks_below(others)} what {_ranks(others)} waited for instead of the "
+                "collective (a file, a service, a child process?)"
+            ]
             return hang, None
         expected = all(statuses[r].get("expected_work") for r in others) and all(
             (statuses[r].get("collective") or {}).get("expected") for r in waiters
@@ -248,12 +269,17 @@ class HangJudge:
         waiters: list[int],
         others: list[int],
         waited: float,
-    ) -> str:
+    ) -> tuple[str, list[str]]:
+        """Why the job is hung, and what to look for (lines of advice)."""
         if others:
             return (
                 f"{_ranks(waiters)} waited {waited:.0f} s while {_ranks(others)} stayed at one "
                 "line without using the CPU (in any thread or child process) or reading data"
-            )
+            ), [
+                f"{_ranks(others)} {_is(others)} blocked in a call (a deadlocked lock, a queue "
+                f"that stays empty, a long sleep): {_stacks_below(others)} which; if that call "
+                f"would have returned, {_RAISE_HANG_TIMEOUT} above its wait"
+            ]
         names = {
             (s["collective"]["seq"], s["collective"]["name"])
             for s in statuses.values()
@@ -261,13 +287,25 @@ class HangJudge:
         }
         if any(k == "finished" for k in kinds.values()):
             stuck = [r for r in waiters if kinds[r] == "waiting"]
-            return f"{_ranks(stuck)} waited {waited:.0f} s for ranks that have finished"
-        if len(names) > 1:
-            return f"the ranks have waited {waited:.0f} s in different collectives"
-        return f"every rank has waited {waited:.0f} s in the same collective"
+            done = [r for r in waiters if kinds[r] == "finished"]
+            return (
+                f"{_ranks(stuck)} waited {waited:.0f} s in a collective that {_ranks(done)} "
+                f"will never call: {'it has' if len(done) == 1 else 'they have'} finished"
+            ), [
+                "every rank must call the same collectives: look for a `return` or `break` "
+                "under a rank check, or a loop that runs more steps on some ranks than on "
+                "others (data split unevenly)"
+            ]
+        if len(names) > 1:  # _missing says which rank waits where, and what to look for
+            return f"the ranks have waited {waited:.0f} s in different collectives", []
+        return f"every rank has waited {waited:.0f} s in the same collective", [
+            "every rank called it, yet it does not complete: the connection between the "
+            "ranks may be stuck (with NCCL, NCCL_DEBUG=INFO says more); if the collective "
+            f"is only slow, {_RAISE_HANG_TIMEOUT}"
+        ]
 
-    @staticmethod
     def _notice(
+        self,
         statuses: dict[int, dict[str, Any]],
         kinds: dict[int, str],
         waiters: list[int],
@@ -275,29 +313,47 @@ class HangJudge:
         waited: float,
         now: float,
     ) -> str:
-        busy = "; ".join(
+        """Who has waited how long for whom, what those ranks do, and what comes of it."""
+        doing = "; ".join(
             f"rank {r} is {_doing(statuses[r], kinds[r])} at {statuses[r].get('where', '?')}"
             for r in others
         )
         waits = "; ".join(f"rank {r}: {_describe(statuses[r], now)}" for r in waiters)
-        hint = (
-            ""
-            if all(kinds[r] == "working" for r in others)
-            else " (if it waits for something that never comes, the job stops at the "
-            "collective timeout)"
+        head = (
+            f"ddpkit: notice: {_ranks(waiters)} {'has' if len(waiters) == 1 else 'have'} "
+            f"waited {waited:.0f} s for {_ranks(others)}: {doing}; waiting: {waits}."
         )
-        return f"ddpkit: notice: for {waited:.0f} s, {busy}{hint}; waiting: {waits}"
+        unsure = [r for r in others if kinds[r] != "working"]
+        if unsure:
+            when = (
+                ""
+                if self.collective_timeout is None
+                else f", in {max(self.collective_timeout - _EARLY_S - waited, 0):.0f} s"
+            )
+            return (
+                f"{head} If {_ranks(unsure)} {_is(unsure)} waiting for something that never "
+                f"comes, the job is stopped at the collective timeout{when}"
+            )
+        tail = " Nothing is stopped while a rank works"
+        if 0 in others:
+            tail += (
+                "; work that rank 0 must do before the others (a download, a data cache) "
+                "belongs in `ddpkit.rank_zero_first()`, where the wait is expected and no "
+                "notice is printed"
+            )
+        return head + tail
 
 
 def _doing(status: dict[str, Any], kind: str) -> str:
-    """What a rank that does not wait does, in words: "working", "polling", ..."""
+    """What a rank that does not wait does, in words that read after "rank 1 is"."""
     if kind == "polling" and status.get("child_wait"):
-        return "waiting for an idle child process"
-    if kind == "polling":
-        return "polling without using the CPU"
-    if kind == "silent":
-        return "in one long call that holds Python's lock (its watch could not report)"
-    return kind
+        return "waiting for a child process that uses no CPU"
+    return {
+        "working": "busy (using the CPU or reading data)",
+        "polling": "polling (it wakes up, but uses no CPU)",
+        "silent": "in one long call that holds Python's lock (ddpkit cannot tell whether it works)",
+        "parked": "idle (no CPU, no data read)",
+    }.get(kind, kind)
 
 
 def _since(status: dict[str, Any]) -> float:
@@ -307,3 +363,11 @@ def _since(status: dict[str, Any]) -> float:
 
 def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+
+
+def _is(ranks: list[int]) -> str:
+    return "is" if len(ranks) == 1 else "are"
+
+
+def _stacks_below(ranks: list[int]) -> str:
+    return "its stack below shows" if len(ranks) == 1 else "their stacks below show"

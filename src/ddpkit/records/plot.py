@@ -431,14 +431,15 @@ def _run_styles(count: int) -> list[_RunStyle]:
 
 
 def _check_samples_seen(run_dir: str | os.PathLike[str], run: _Run) -> None:
-    """Raise `ConfigError` when no record of `run` has `samples_seen` (logs of ddpkit versions
-    before it was logged): drawn by samples, that run would be missing without a word."""
+    """Raise `ConfigError` when no record of `run` has `samples_seen` (a metrics.jsonl that
+    another program wrote, or one edited by hand): drawn by samples, that run would be
+    missing without a word."""
     if any(_number(record.get("samples_seen")) is not None for record in run.records):
         return
     raise ConfigError(
-        f"{Path(run_dir) / METRICS_FILE} has no samples_seen (older ddpkit versions did not "
-        "log it): plot that run with --x step or --x time, or rerun its training to plot it "
-        "by samples"
+        f"{Path(run_dir) / METRICS_FILE} has no samples_seen in any line, so it cannot be "
+        "drawn by samples seen: plot that run with --x step or --x time, or rerun its "
+        "training with ddpkit, which logs samples_seen"
     )
 
 

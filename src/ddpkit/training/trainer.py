@@ -44,10 +44,11 @@ from ddpkit.parallel.batches import (
     to_device,
 )
 from ddpkit.parallel.data import ShardSampler, prepare_loader
-from ddpkit.parallel.fsdp import as_sharded, gathered
-from ddpkit.parallel.model import find_ddp, prepare_model, sync_buffers, unwrap
-from ddpkit.parallel.precision import DTYPES, use_deterministic, use_tf32
+from ddpkit.parallel.model import sync_buffers, unwrap
+from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
 from ddpkit.parallel.ranks import broadcast_object, reduce_sums
+from ddpkit.parallel.strategy import Strategy, prepare_model
+from ddpkit.parallel.sync import Accumulation
 from ddpkit.processes.preemption import StopVote, saving_on_signal
 from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
@@ -224,8 +225,9 @@ class Trainer:
             use_deterministic()
         if config.tf32 is not None:
             use_tf32(config.tf32)
-        sharded = config.strategy == "fsdp" and ctx.distributed
-        if sharded and isinstance(optimizer, torch.optim.Optimizer):
+        # Chosen once: everything that depends on the strategy asks this object.
+        self.strategy = Strategy(config.strategy, ctx)
+        if self.strategy.shards_model and isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(
                 "strategy fsdp replaces the model's parameters, so the optimizer must be "
                 "built after sharding: pass optimizer=lambda params: torch.optim.AdamW("
@@ -238,7 +240,7 @@ class Trainer:
             find_unused_parameters=config.find_unused_parameters,
             bucket_cap_mb=config.bucket_cap_mb,
             grad_compression=config.grad_compression,
-            strategy=config.strategy,
+            strategy=self.strategy,
             fsdp={
                 "precision": config.precision,
                 "offload": config.fsdp_offload,
@@ -254,11 +256,6 @@ class Trainer:
         # own when training is (lazily: nothing is compiled before the first evaluation).
         bare = unwrap(self.model)
         self._eval_model = cast(nn.Module, torch.compile(bare)) if config.compile else bare
-        self._ddp = find_ddp(self.model)
-        self._sharded = as_sharded(self.model)
-        # Checkpoints of strategy "fsdp" are sharded on any number of ranks, so that a
-        # run resumes on another number of ranks (one included).
-        self._shards = config.strategy == "fsdp"
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model.parameters())
         self.optimizer = optimizer
@@ -291,17 +288,9 @@ class Trainer:
                 collate_fn=collate_fn,
             )
         )
-        self.amp_dtype = DTYPES[config.precision]
-        # One autocast context for the run, entered by every step and evaluation: a
-        # torch.autocast keeps on itself only what its exit restores, so it can be
-        # entered again once left (never nested here), and building one costs a step
-        # about as much as entering it.
-        self._amp: contextlib.AbstractContextManager[Any] = (
-            _NOTHING
-            if self.amp_dtype is None
-            else torch.autocast(ctx.device.type, dtype=self.amp_dtype)
-        )
-        self.scaler = torch.amp.GradScaler(ctx.device.type) if config.precision == "fp16" else None
+        # Autocast, fp16's loss scaling, clipping and the optimizer step: the helper a
+        # hand-written loop uses.
+        self.precision = Precision(config.precision, ctx)
         self.callbacks = list(callbacks)
         if config.early_stopping_patience is not None:
             self.callbacks.append(
@@ -476,7 +465,7 @@ class Trainer:
         micro_batches = (
             self._agreed_groups(progress, skip)
             if self._uneven or total is None
-            else _fixed_groups(progress, self.config.accumulate, skip, total)
+            else _fixed_groups(progress, Accumulation(model, self.config.accumulate, total), skip)
         )
         start = time.perf_counter()
         try:
@@ -486,13 +475,14 @@ class Trainer:
                 dummy = num == 0
                 if dummy:  # no data left here: take part in the step, change nothing
                     model.eval()
-                with self._no_sync(not step_now), self._autocast():
-                    loss, _ = self._loss(model, batch)
-                # Uneven shards: the step's total over all ranks arrives while the
-                # forward runs; the backward is the first thing that needs it.
-                step_samples = den if isinstance(den, float) else den.total()
-                scaled = loss * num if num != 1 else loss
-                self._backward(scaled / step_samples if step_samples != 1 else scaled)
+                with self.strategy.skip_gradient_sync(model, not step_now):
+                    with self.precision.autocast():
+                        loss, _ = self._loss(model, batch)
+                    # Uneven shards: the step's total over all ranks arrives while the
+                    # forward runs; the backward is the first thing that needs it.
+                    step_samples = den if isinstance(den, float) else den.total()
+                    scaled = loss * num if num != 1 else loss
+                    self.precision.backward(scaled / step_samples if step_samples != 1 else scaled)
                 if dummy:
                     model.train()
                 else:
@@ -536,7 +526,7 @@ class Trainer:
         k, world = self.config.accumulate, self.ctx.world_size
         # Under FSDP every forward gathers parameters: the ranks must run as many
         # micro-batches as each other, so each also says how many it has (one-hot).
-        lengths = k if self._sharded is not None and k > 1 else 0
+        lengths = k if self.strategy.shards_model and k > 1 else 0
         batch_iter = iter(batch_iter)
         position = skip  # in micro-batches of whole groups, the same on every rank
         while True:
@@ -559,24 +549,20 @@ class Trainer:
                 yield self._last_batch, (0.0, 1.0), m == runs - 1, position
 
     def _optimizer_step(self, window: _Window | None) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip and log the true gradient
-        if self.config.clip_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self._params, self.config.clip_grad_norm)
+        prec = self.precision
+        if self.config.clip_grad_norm is not None:  # of the true (unscaled) gradient
+            norm = prec.clip_gradients(self._params, self.optimizer, self.config.clip_grad_norm)
             if window is not None:
                 window.grad_norm = norm
         elif self._logs_grad_norm(window):
+            prec.unscale_gradients(self.optimizer)  # log the true gradient's norm
             grads = [p.grad.detach() for p in self._params if p.grad is not None]
             if grads:
                 # A sharded gradient's norm is a collective: every rank computes it.
-                norm = gathered(_total_norm(grads))
+                norm = self.strategy.whole(_total_norm(grads))
                 if window is not None:
                     window.grad_norm = norm
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        prec.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and self.config.scheduler_interval == "step":
             self.scheduler.step()
@@ -588,7 +574,7 @@ class Trainer:
         the config, which every rank shares, not rank 0's window."""
         if (self.global_step + 1) % self.config.log_every:
             return False
-        if self._sharded is not None:
+        if self.strategy.shards_model:
             return self.config.run_dir is not None
         return window is not None
 
@@ -635,7 +621,7 @@ class Trainer:
                 batches += 1
                 n = count_samples(batch)
                 batch = to_device(batch, device)
-                with self._autocast():
+                with self.precision.autocast():
                     loss, outputs = self._loss(model, batch)
                     values = dict(self.metrics_fn(model, batch)) if self.metrics_fn else {}
                 values["loss"] = loss
@@ -647,7 +633,7 @@ class Trainer:
                     weighted = torch.as_tensor(value, device=device).detach().double() * n
                     sums[name] = sums[name] + weighted if name in sums else weighted
                 count += n
-            if self._sharded is not None:
+            if self.strategy.shards_model:
                 self._gather_as_often_as_rank_0(model, batches)
         finally:
             self._close_bar()
@@ -681,7 +667,7 @@ class Trainer:
         first = DataLoader(loader.dataset, batch_size=1, collate_fn=loader.collate_fn)
         stand_in = to_device(next(iter(first)), self.ctx.device)
         for _ in range(longest - batches):
-            with self._autocast():
+            with self.precision.autocast():
                 self._loss(model, stand_in)
 
     # -- checkpoints ----------------------------------------------------------------
@@ -699,7 +685,7 @@ class Trainer:
             # Which model wrote it, to name it when another model is resumed from it.
             "model_class": model_class_name(self.model),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "scaler": self.precision.state_dict() or None,
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "epoch": self.epoch,
             "batch": self.batch,
@@ -719,7 +705,7 @@ class Trainer:
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
         sync_buffers(self.model, self.ctx)  # the checkpoint holds rank 0's; so does every rank
-        if self._shards:  # every rank writes its part of model and optimizer
+        if self.strategy.shards_checkpoints:  # every rank writes its part of the model
             state, shards = self._training_state(), tensors_of(self.model, self.optimizer)
         else:
             state, shards = self.state_dict(), None
@@ -741,18 +727,18 @@ class Trainer:
             self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
             return
         path, state = found.path, found.state
-        if bool(state.get("sharded")) != self._shards:
+        if bool(state.get("sharded")) != self.strategy.shards_checkpoints:
             raise CheckpointError(
                 f"{path} was written with strategy {'fsdp' if state.get('sharded') else 'ddp'}"
                 f" and this run uses {self.config.strategy}: resume with the same --strategy"
             )
-        if self._shards:  # on any number of ranks: DCP reshards
+        if self.strategy.shards_checkpoints:  # on any number of ranks: DCP reshards
             load_shards(path, self.model, self.optimizer)
         else:
             check_same_model(self.model, state, path)  # one line naming both
             load_model_state(self.model, state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        for name, part in (("scheduler", self.scheduler), ("scaler", self.scaler)):
+        for name, part in (("scheduler", self.scheduler), ("scaler", self.precision)):
             if part is not None and state.get(name) is not None:
                 part.load_state_dict(state[name])
         for cb, cb_state in zip(self.callbacks, state.get("callbacks") or [], strict=False):
@@ -821,23 +807,6 @@ class Trainer:
         if self.metrics_fn is None or not self.ctx.distributed:
             return names
         return broadcast_object(names)
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        return self._amp
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is not None:
-            loss = self.scaler.scale(loss)
-        loss.backward()  # type: ignore[no-untyped-call]  # DDP averages gradients here
-
-    def _no_sync(self, skip: bool) -> contextlib.AbstractContextManager[Any]:
-        """DDP's no_sync (FSDP's gradient sync switched off) on all micro-batches of a
-        group but the last: one reduction per optimizer step instead of one per
-        micro-batch."""
-        if self._sharded is not None:
-            self._sharded.set_requires_gradient_sync(not skip)
-            return _NOTHING
-        return self._ddp.no_sync() if skip and self._ddp is not None else _NOTHING
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -991,13 +960,11 @@ class _Agreement:
 _Micro = tuple[Any, tuple[float, float | _Agreement], bool, int]
 
 
-def _fixed_groups(batch_iter: Iterable[Any], k: int, skip: int, total: int) -> Iterator[_Micro]:
+def _fixed_groups(batch_iter: Iterable[Any], acc: Accumulation, skip: int) -> Iterator[_Micro]:
     """Micro-batches of equal shards of known length: every rank steps after the same
     batches, with no collective. A short last group is averaged over its own size."""
     for i, batch in enumerate(batch_iter, start=skip):
-        first = i - i % k
-        size = min(k, total - first)
-        yield batch, (1.0, float(size)), i - first == size - 1, i + 1
+        yield batch, (1.0, float(acc.group_size(i))), acc.should_step(i), i + 1
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""The strategy: how a model is spread over the ranks, decided once per run.
+
+"ddp" keeps a whole copy of the model on every rank and all-reduces the gradients;
+"fsdp" shards parameters, gradients and optimizer state over the ranks (FSDP2). Every
+question whose answer depends on that choice is answered here, so that the rest of
+ddpkit asks the object instead of comparing the name: how to wrap the model, whether
+its checkpoints are sharded, how to read a whole tensor, how to skip a gradient sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpkit.context import DistContext
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.compression import bf16_allreduce_hook
+from ddpkit.parallel.fsdp import as_sharded, gathered
+from ddpkit.parallel.model import sync_buffers
+from ddpkit.parallel.sync import no_backward_sync
+
+log = logging.getLogger("ddpkit")
+
+NAMES = ("ddp", "fsdp")
+
+
+def prepare_model(
+    model: nn.Module,
+    ctx: DistContext | None = None,
+    *,
+    sync_batchnorm: bool = True,
+    find_unused_parameters: bool = False,
+    static_graph: bool = False,
+    gradient_as_bucket_view: bool = True,
+    bucket_cap_mb: float | None = None,
+    broadcast_buffers: bool = True,
+    strategy: str | Strategy = "ddp",
+    fsdp: dict[str, Any] | None = None,
+    grad_compression: str = "none",
+) -> nn.Module:
+    """Put `model` on this rank's device and, with more than one rank, wrap it in DDP
+    (or shard it with FSDP2, `strategy="fsdp"`).
+
+    Call it on every rank, after building the model and before building the
+    optimizer's parameter list from it is fine too (the parameters stay the same
+    objects). With one process the model comes back unwrapped: DDP would only add a
+    gradient copy per step.
+
+    Args:
+        model: the bare model (not already wrapped in DistributedDataParallel).
+        ctx: this rank's `DistContext` (default: `DistContext.current()`).
+        sync_batchnorm: turn BatchNorm layers into synchronised BatchNorm, so that their
+            statistics are those of the global batch (PyTorch's layer on GPUs, ddpkit's
+            own on CPU, where PyTorch's refuses to run). False keeps per-rank statistics.
+        find_unused_parameters: let DDP handle parameters that get no gradient in a step.
+        static_graph: promise DDP that the graph is the same every step.
+        gradient_as_bucket_view: let gradients share DDP's buckets (saves one
+            gradient-sized copy).
+        bucket_cap_mb: DDP's bucket size in MiB (None: DDP's default).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward
+            (with either strategy).
+        strategy: "ddp" replicates the model on every rank; "fsdp" shards its
+            parameters, gradients and optimizer state over the ranks (`ddpkit.parallel.fsdp`),
+            for models that do not fit on one device. With "fsdp", build the optimizer
+            after this call, on the returned model's parameters.
+        fsdp: options of `ddpkit.parallel.fsdp.shard_model` (`blocks`, `min_params`,
+            `precision`, `offload`, `reshard_after_forward`).
+        grad_compression: "bf16" all-reduces gradients in bfloat16
+            (`ddpkit.parallel.compression`: half the bytes, each gradient rounded to ~3 digits);
+            "none" sends them as they are.
+
+    Returns:
+        The model to train: DDP-wrapped with several ranks, the moved model with one.
+    """
+    ctx = ctx or DistContext.current()
+    plan = strategy if isinstance(strategy, Strategy) else Strategy(strategy, ctx)
+    plan.check(ctx.backend, grad_compression=grad_compression)
+    if isinstance(model, DDP):
+        raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
+    model = model.to(ctx.device)
+    if not ctx.distributed:
+        return model
+    if sync_batchnorm:
+        from ddpkit.parallel.syncbn import convert_sync_batchnorm
+
+        model, converted = convert_sync_batchnorm(model, ctx.device.type)
+        if converted and ctx.is_main:
+            log.info(
+                "converted %d BatchNorm layer(s) to SyncBatchNorm "
+                "(statistics over the global batch; sync_batchnorm=False turns this off)",
+                converted,
+            )
+    ddp_options: dict[str, Any] = {
+        "find_unused_parameters": find_unused_parameters,
+        "static_graph": static_graph,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+    }
+    if bucket_cap_mb is not None:
+        ddp_options["bucket_cap_mb"] = bucket_cap_mb
+    return plan.wrap(
+        model,
+        fsdp=fsdp,
+        broadcast_buffers=broadcast_buffers,
+        grad_compression=grad_compression,
+        **ddp_options,
+    )
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How the model of this run is spread over its ranks (see the module docstring)."""
+
+    name: str
+    """"ddp" or "fsdp"."""
+    ctx: DistContext = field(default_factory=DistContext.current)
+    """The rank it runs on."""
+
+    def __post_init__(self) -> None:
+        if self.name not in NAMES:
+            raise ConfigError(f"strategy must be 'ddp' or 'fsdp' (got {self.name!r})")
+
+    @property
+    def shards_model(self) -> bool:
+        """The model's parameters are sharded: "fsdp" on more than one rank (with one
+        process there is nothing to shard over)."""
+        return self.name == "fsdp" and self.ctx.distributed
+
+    @property
+    def shards_checkpoints(self) -> bool:
+        """Checkpoints are sharded DCP folders rather than one `.pt` file. Under "fsdp"
+        also with one process, so that a run resumes on any number of ranks."""
+        return self.name == "fsdp"
+
+    def check(self, backend: str, *, offload: bool = False, grad_compression: str = "none") -> None:
+        """Raise ConfigError, naming the fix, for options this strategy cannot run with
+        (before any process starts, where possible)."""
+        if grad_compression not in ("none", "bf16"):
+            raise ConfigError(
+                f"grad_compression must be 'none' or 'bf16' (got {grad_compression!r})"
+            )
+        if grad_compression != "none" and self.name != "ddp":
+            raise ConfigError(
+                "grad_compression works with strategy ddp only (FSDP reduces in its own "
+                "dtypes): drop grad_compression, or use precision='bf16' with fsdp"
+            )
+        if self.name == "fsdp" and backend == "gloo":
+            from ddpkit.parallel.fsdp import check_on_cpu
+
+            check_on_cpu(offload)
+
+    def wrap(
+        self,
+        model: nn.Module,
+        *,
+        fsdp: dict[str, Any] | None = None,
+        broadcast_buffers: bool = True,
+        grad_compression: str = "none",
+        **ddp_options: Any,
+    ) -> nn.Module:
+        """`model` (on this rank's device, BatchNorm already converted) sharded with
+        FSDP2 or wrapped in DDP; unchanged with one process. `ddp_options` go to DDP."""
+        if not self.ctx.distributed:
+            return model
+        if self.shards_model:
+            from ddpkit.parallel.fsdp import shard_model
+
+            sharded = shard_model(model, self.ctx, **(fsdp or {}))
+            if broadcast_buffers and any(True for _ in sharded.buffers()):
+                # As DDP does: each forward starts from rank 0's buffers, so that
+                # per-rank BatchNorm statistics cannot drift apart (FSDP never copies
+                # buffers).
+                ctx = self.ctx
+                sharded.register_forward_pre_hook(lambda module, args: sync_buffers(module, ctx))
+            return sharded
+        on_gpu = self.ctx.device.type == "cuda"
+        if not broadcast_buffers:  # only when asked: newer torch warns that it is deprecated
+            ddp_options["broadcast_buffers"] = False
+        ddp = DDP(
+            model,
+            device_ids=[self.ctx.device] if on_gpu else None,
+            output_device=self.ctx.device if on_gpu else None,
+            **ddp_options,
+        )
+        if grad_compression == "bf16":
+            ddp.register_comm_hook(None, bf16_allreduce_hook)
+        return ddp
+
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The whole value of `tensor`: a shard is gathered (a collective: every rank
+        calls it, under "fsdp"); any other tensor is returned as it is."""
+        return gathered(tensor) if self.shards_model else tensor
+
+    def skip_gradient_sync(
+        self, model: nn.Module, skip: bool
+    ) -> contextlib.AbstractContextManager[None]:
+        """The context for a micro-batch's forward and backward that must not reduce
+        its gradients yet (all micro-batches of an accumulation group but the last)."""
+        return no_backward_sync(model, enabled=skip)
+
+    @staticmethod
+    def of(model: nn.Module, ctx: DistContext) -> Strategy:
+        """The strategy a prepared `model` was wrapped with."""
+        return Strategy("fsdp" if as_sharded(model) is not None else "ddp", ctx)
