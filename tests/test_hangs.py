@@ -249,9 +249,11 @@ def test_a_workers_last_print_survives(tmp_path: Path) -> None:
     assert "last words of rank 0" in out.stdout and "last words of rank 1" in out.stdout
 
 
-def test_hang_error_is_exported() -> None:
-    assert HangError is HangError
-    assert "HangError" in ddpkit.__all__
+def test_hang_error_is_importable_from_errors() -> None:
+    import ddpkit.errors
+
+    assert ddpkit.errors.HangError is HangError
+    assert issubclass(HangError, ddpkit.DdpkitError)
 
 
 def test_info_warns_about_a_torch_outside_the_tested_range() -> None:

@@ -467,13 +467,13 @@ def test_precision_autocast_nests_and_restores() -> None:
     """Precision reuses one torch.autocast across steps; entered twice at once it must
     still leave autocast as it found it."""
     prec = Precision("bf16", DistContext.single("cpu"))
-    assert not torch.is_autocast_cpu_enabled()
+    assert not torch.is_autocast_enabled("cpu")
     with prec.autocast():
         with prec.autocast():
-            assert torch.is_autocast_cpu_enabled()
-        assert torch.is_autocast_cpu_enabled()  # the outer one is still open
-    assert not torch.is_autocast_cpu_enabled()
+            assert torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu")  # the outer one is still open
+    assert not torch.is_autocast_enabled("cpu")
     for _ in range(3):  # and again, one after another
         with prec.autocast():
-            assert torch.is_autocast_cpu_enabled()
-    assert not torch.is_autocast_cpu_enabled()
+            assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")

@@ -162,8 +162,8 @@ def test_a_sharded_hand_loop_resumes_bit_identical_on_every_rank(
 
 # -- 2 ranks -> 1 process ---------------------------------------------------------------
 def _one_process(ctx: DistContext, folder: str, named: str) -> dict[str, Any]:
-    """Load the sharded state `named` on one process, then save it as a .pt at a step
-    before and one after it: load_state(folder) takes the newest of either kind."""
+    """Load the sharded state `named` on one process, then save it at a step before and
+    one after it: load_state(folder) takes the newest."""
     model, opt, sched, loader = _build(ctx)
     parts: dict[str, Any] = {"model": model, "optimizer": opt, "scheduler": sched}
     start = load_state(named, ctx, **parts, loader=loader)
@@ -177,6 +177,12 @@ def _one_process(ctx: DistContext, folder: str, named: str) -> dict[str, Any]:
         assert again is not None
         out[f"after {step}"] = {**_digests(model, opt), "path": again["path"].name}
     return out
+
+
+def _save_whole(ctx: DistContext, folder: str) -> None:
+    model = prepare_model(_net(), ctx)  # strategy ddp: one .pt file
+    opt = torch.optim.AdamW(model.parameters())
+    save_state(folder, ctx, model=model, optimizer=opt, epoch=1, step=12)
 
 
 def test_a_sharded_state_loads_on_one_process_by_its_folder_name(
@@ -193,15 +199,19 @@ def test_a_sharded_state_loads_on_one_process_by_its_folder_name(
         saved["model"],
         saved["optimizer"],
     )
-    # A .pt older than the .dcp: the .dcp is newest; a newer .pt: that one.
+    # Saved at an older step, the named state stays the newest; at a newer one, that is.
+    # Strategy fsdp saves sharded states on one process too (as Trainer does), so that
+    # the run can go on on any number of ranks.
     assert one["after 7"]["path"] == "ckpt-000000010.dcp"
-    assert one["after 11"]["path"] == "ckpt-000000011.pt"
+    assert one["after 11"]["path"] == "ckpt-000000011.dcp"
     for key in ("after 7", "after 11"):
         assert one[key]["model"] == saved["model"], key
         assert one[key]["optimizer"] == saved["optimizer"], key
 
-    # The newest is now a whole model's file, which 2 sharded ranks do not split up.
-    with pytest.raises(WorkerError, match=r"ckpt-000000011.pt holds the whole state") as info:
+    # A whole model's file (strategy ddp), the newest now, which 2 sharded ranks do not
+    # split up.
+    launch(_save_whole, str(work), nprocs=1)
+    with pytest.raises(WorkerError, match=r"ckpt-000000012.pt holds the whole state") as info:
         launch(_loop, str(work), None, nprocs=2)
     assert "resume it as it was saved" in str(info.value).splitlines()[0]
 

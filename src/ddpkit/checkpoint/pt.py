@@ -623,12 +623,28 @@ class Found:
         return "; ".join(f"skipped {s}" for s in self.skipped)
 
 
+def names_one(where: str | os.PathLike[str]) -> bool:
+    """Whether `where` names one checkpoint (a file, a path ending in `.pt`, or a
+    sharded checkpoint's `.dcp` folder) rather than a folder of them."""
+    path = Path(where)
+    return (
+        path.suffix in (".pt", sharded.SUFFIX) or path.is_file() or (path / sharded.META).is_file()
+    )
+
+
 def _newest_readable(
-    directory: str | os.PathLike[str], ctx: DistContext
+    where: str | os.PathLike[str], named: bool, ctx: DistContext
 ) -> tuple[Found, str | None] | None:
     """This process's pick: the newest checkpoint that loads and its sha256 (which the
     other ranks check; None in a one-process job), None when there is none. All of them
-    broken raises."""
+    broken raises, and so does a `named` checkpoint that does not load."""
+    if named:
+        try:
+            state, digest = _load(Path(where), digest=ctx.distributed)
+        except _Unreadable as exc:
+            raise CheckpointError(str(exc)) from None
+        return Found(Path(where), state), digest
+    directory = where
     candidates = list_checkpoints(directory)
     broken: list[str] = []
     skipped: list[str] = []
@@ -701,17 +717,19 @@ def latest_checkpoint(
     return found.path, found.state
 
 
-def find_checkpoint(directory: str | os.PathLike[str], ctx: DistContext) -> Found | None:
-    """The newest checkpoint in `directory` that loads, and the newer ones it skipped
-    because they do not load (each with the reason); nothing is logged.
+def find_checkpoint(where: str | os.PathLike[str], ctx: DistContext) -> Found | None:
+    """The checkpoint to resume from: in a folder, the newest that loads, with the newer
+    ones it skipped because they do not load (each with the reason); or the one
+    checkpoint `where` names. Nothing is logged.
 
-    With a process group this is a collective: call it on EVERY rank. Rank 0 alone picks
-    the checkpoint and broadcasts its name, step and sha256; every other rank loads
-    exactly that file and checks its digest, so all ranks resume from the same state or
-    all of them raise the same error.
+    The one way every rank reads a checkpoint. With a process group this is a
+    collective: call it on EVERY rank. Rank 0 alone picks the checkpoint and broadcasts
+    its name, step and sha256; every other rank loads exactly that file and checks its
+    digest, so all ranks resume from the same state or all of them raise the same error.
 
     Args:
-        directory: the checkpoint folder.
+        where: the checkpoint folder, or one checkpoint in it (a `ckpt-*.pt` file or a
+            sharded `ckpt-*.dcp` folder).
         ctx: this rank's `DistContext`.
 
     Returns:
@@ -719,12 +737,14 @@ def find_checkpoint(directory: str | os.PathLike[str], ctx: DistContext) -> Foun
         checkpoint.
 
     Raises:
-        CheckpointError: the folder holds checkpoints but none of them loads; or, in a
-            distributed job, some rank could not load the file rank 0 chose (the message
-            names the ranks, the file and why).
+        CheckpointError: the folder holds checkpoints but none of them loads, or the
+            named checkpoint does not load; or, in a distributed job, some rank could
+            not load the file rank 0 chose (the message names the ranks, the file and
+            why).
     """
+    directory = where
     if not ctx.distributed:
-        mine = _newest_readable(directory, ctx)
+        mine = _newest_readable(where, names_one(where), ctx)
         return None if mine is None else mine[0]
 
     # Rank 0 chooses. Whatever happens there is broadcast, so no rank waits forever.
@@ -733,14 +753,17 @@ def find_checkpoint(directory: str | os.PathLike[str], ctx: DistContext) -> Foun
     failure: BaseException | None = None
     if ctx.is_main:
         try:
-            mine = _newest_readable(directory, ctx)
+            named = names_one(where)  # rank 0 decides, so that every rank does the same
+            mine = _newest_readable(where, named, ctx)
         except Exception as exc:
             failure = exc
             choice = [("error", str(exc) if isinstance(exc, CheckpointError) else None)]
         else:
             if mine is not None:
                 found, digest = mine
-                choice = [("ok", str(found.path), _step_of(found.path), digest, found.skipped)]
+                choice = [
+                    ("ok", str(found.path), named, _step_of(found.path), digest, found.skipped)
+                ]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         return None
@@ -752,8 +775,9 @@ def find_checkpoint(directory: str | os.PathLike[str], ctx: DistContext) -> Foun
             or f"rank 0 failed while choosing a checkpoint in {directory}: see rank 0's error"
         )
 
-    _, chosen, step, digest, skipped = choice[0]  # rank 0's path names the file in errors
-    path = Path(directory) / Path(chosen).name  # the same path when nodes share the folder
+    _, chosen, named, step, digest, skipped = choice[0]  # rank 0's path names it in errors
+    # A name in the folder: the same file when nodes share it, wherever they mount it.
+    path = Path(chosen) if named else Path(directory) / Path(chosen).name
     problem: str | None = None
     if found is None:
         state, problem = _check_same_file(path, digest)

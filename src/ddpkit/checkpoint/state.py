@@ -50,33 +50,34 @@ included, as the shards are redistributed to fit the job that loads them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from ddpkit.checkpoint.pt import (
-    latest_checkpoint,
-    load_checkpoint,
+    Found,
+    check_same_model,
+    find_checkpoint,
     load_model_state,
     model_class_name,
     save_checkpoint,
 )
-from ddpkit.checkpoint.sharded import META, SUFFIX, load_shards, tensors_of
+from ddpkit.checkpoint.sharded import load_shards, tensors_of
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.parallel.batches import to_device
 from ddpkit.parallel.data import DistributedLoader
 from ddpkit.parallel.fsdp import as_sharded
-from ddpkit.parallel.model import unwrap
+from ddpkit.parallel.model import sync_buffers, unwrap
+from ddpkit.parallel.strategy import Strategy
 from ddpkit.seed import set_rng_state
 
 log = logging.getLogger("ddpkit")
@@ -96,7 +97,7 @@ class Stateful(Protocol):
 
 def save_state(
     directory: str | os.PathLike[str],
-    ctx: DistContext,
+    ctx: DistContext | None = None,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -115,9 +116,11 @@ def save_state(
 
     Args:
         directory: the checkpoint folder (created if missing).
-        ctx: this rank's `DistContext`.
+        ctx: this rank's `DistContext` (default: `DistContext.current()`).
         model: the model, bare or as `prepare_model` wrapped it; the bare model's
-            state is saved, so it loads into either.
+            state is saved, so it loads into either. Every rank gets rank 0's buffers
+            first (BatchNorm's running statistics), so all ranks go on with what the
+            file holds.
         optimizer: its optimizer.
         scheduler: its LR scheduler, if any.
         scaler: the `torch.amp.GradScaler` of fp16 training, if any.
@@ -145,6 +148,7 @@ def save_state(
         CheckpointError: the file could not be written (the newest earlier one is
             left intact).
     """
+    ctx = ctx or DistContext.current()
     for name, value in (("epoch", epoch), ("batch", batch), ("step", step)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"save_state needs {name} as an int >= 0 (got {value!r})")
@@ -157,33 +161,66 @@ def save_state(
         )
     for key, value in extra.items():
         _check_loadable(value, f"extra[{key!r}]")
-    # A sharded model's state on rank 0 is rank 0's shards alone: every rank writes its
-    # own part, as Trainer does, and the rest of the state goes beside them.
-    shards = tensors_of(model, optimizer) if as_sharded(model) is not None else None
+    sync_buffers(model, ctx)  # the file holds rank 0's buffers; so does every rank now
+    # Sharded: every rank writes its own part of model and optimizer, and the rest of
+    # the state goes beside them.
+    shards = tensors_of(model, optimizer) if Strategy.of(model, ctx).shards_checkpoints else None
     state: dict[str, Any] = {}
     if ctx.is_main:  # only rank 0's state is written; the others need not build theirs
-        bare = unwrap(model)
-        state = {
-            "model_class": model_class_name(model),
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "scaler": None if scaler is None else scaler.state_dict(),
-            # The names Trainer uses, so either can resume from the other's files.
-            "epoch": epoch,
-            "batch": batch,
-            "global_step": step,
-            "loader": None if loader is None else _loader_position(loader, epoch, batch, ctx),
-            "extra": extra,
-        }
-        if shards is None:
-            state["model"] = bare.state_dict()
-            state["optimizer"] = optimizer.state_dict()
+        state = checkpoint_state(
+            model,
+            optimizer,
+            ctx,
+            scheduler=scheduler,
+            scaler=scaler,
+            loader=loader,
+            epoch=epoch,
+            batch=batch,
+            step=step,
+            extra=extra,
+            tensors=shards is None,
+        )
     # save_checkpoint gathers every rank's RNG streams into the file.
     return save_checkpoint(state, directory, ctx, step=step, keep_last=keep_last, shards=shards)
 
 
+def checkpoint_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ctx: DistContext,
+    *,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    loader: DataLoader[Any] | None = None,
+    epoch: int,
+    batch: int,
+    step: int,
+    extra: Mapping[str, Any],
+    tensors: bool = True,
+) -> dict[str, Any]:
+    """The one schema of ddpkit's checkpoints, `save_state`'s and the Trainer's: the bare
+    model's and the optimizer's states (unless `tensors` is False: a sharded checkpoint
+    keeps them in its shards), the scheduler's and scaler's, where the loop was, and
+    `extra`. `save_checkpoint` adds every rank's random streams."""
+    state: dict[str, Any] = {
+        "model_class": model_class_name(model),
+        "scheduler": None if scheduler is None else scheduler.state_dict(),
+        "scaler": None if scaler is None else scaler.state_dict(),
+        "epoch": epoch,
+        "batch": batch,
+        "global_step": step,
+        "loader": None if loader is None else _loader_position(loader, epoch, batch, ctx),
+        "extra": dict(extra),
+    }
+    if tensors:
+        state["model"] = unwrap(model).state_dict()
+        state["optimizer"] = optimizer.state_dict()
+    return state
+
+
 def load_state(
     path: str | os.PathLike[str],
-    ctx: DistContext,
+    ctx: DistContext | None = None,
     *,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -211,7 +248,7 @@ def load_state(
             or a sharded `.dcp` folder: rank 0 chooses, skipping broken ones, and every
             rank loads exactly that one), or one checkpoint (an existing file, a path
             ending in `.pt`, or a sharded checkpoint's `.dcp` folder).
-        ctx: this rank's `DistContext`.
+        ctx: this rank's `DistContext` (default: `DistContext.current()`).
         model: the model, bare or wrapped.
         optimizer: as given to `save_state`.
         scheduler: as given to `save_state`.
@@ -228,20 +265,72 @@ def load_state(
             files all fail to load; a file of another model; a `.pt` file for a sharded
             model; or a rank that could not load the file rank 0 chose.
     """
-    where = Path(path)
-    # A sharded checkpoint is a folder too: it is named by its suffix or its meta file.
-    named_file = where.suffix in (".pt", SUFFIX) or where.is_file() or (where / META).is_file()
-    if ctx.distributed:  # rank 0 decides, so that no two ranks enter different collectives
-        decided = [named_file]
-        dist.broadcast_object_list(decided, src=0)
-        named_file = bool(decided[0])
-    if named_file:
-        state = _load_file(where, ctx)
+    ctx = ctx or DistContext.current()
+    found = find_checkpoint(path, ctx)
+    if found is None:
+        return None
+    if found.skipped and ctx.is_main:
+        log.warning("%s; resuming from %s", found.skip_note(), found.path.name)
+    saved = restore(
+        found, ctx, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler
+    )
+    batch = saved.batch
+    if loader is not None and batch:
+        batch = _resume_loader(loader, saved.loader, saved.epoch, batch, saved.rng, ctx)
     else:
-        found = latest_checkpoint(where, ctx)
-        if found is None:
-            return None
-        where, state = found
+        if loader is not None:
+            _set_epoch(loader, int(saved.loader.get("epoch", saved.epoch)))
+        if saved.rng is not None:
+            set_rng_state(saved.rng)
+    if ctx.is_main:
+        after = f" after batch {batch}" if batch else ""
+        log.info(
+            "resumed from %s at epoch %d%s (step %d)",
+            saved.path,
+            saved.epoch + 1,
+            after,
+            saved.step,
+        )
+    return {
+        # The file is loaded to the CPU; your own tensors come back on this rank's device.
+        **to_device(saved.extra, ctx.device),
+        "epoch": saved.epoch,
+        "batch": batch,
+        "step": saved.step,
+        "path": saved.path,
+    }
+
+
+@dataclass
+class Saved:
+    """Where the loop that saved a checkpoint was (what `restore` read)."""
+
+    path: Path
+    epoch: int
+    """The epoch to run next, or the one in progress."""
+    batch: int
+    """Batches of `epoch` that were done (by the ranks that saved)."""
+    step: int
+    loader: dict[str, Any]
+    """The loader's position (`_loader_position`); empty when no loader was saved."""
+    rng: dict[str, Any] | None
+    """This rank's random streams; None when another number of ranks saved them."""
+    extra: dict[str, Any]
+    sharded: bool
+
+
+def restore(
+    found: Found,
+    ctx: DistContext,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+) -> Saved:
+    """Load the checkpoint that `find_checkpoint` found into the model, optimizer,
+    scheduler and scaler, and say where its loop was. Call it on every rank."""
+    where, state = found.path, found.state
     # A sharded checkpoint keeps the model and optimizer in its shards, not in the meta file.
     no_optimizer = "optimizer" not in state and not state.get("sharded")
     if no_optimizer or "global_step" not in state or "epoch" not in state:
@@ -250,7 +339,6 @@ def load_state(
             "pass a file that save_state or Trainer wrote"
         )
     _restore_parts(where, state, model, optimizer, scheduler, scaler, ctx)
-    epoch, batch, step = int(state["epoch"]), int(state.get("batch", 0)), int(state["global_step"])
     rngs = state.get("rng") or []
     mine: dict[str, Any] | None = None
     if len(rngs) == ctx.world_size:
@@ -263,74 +351,19 @@ def load_state(
             len(rngs),
             ctx.world_size,
         )
-    if loader is not None and batch:
-        batch = _resume_loader(loader, state.get("loader") or {}, epoch, batch, mine, ctx)
-    else:
-        if loader is not None:
-            _set_epoch(loader, int((state.get("loader") or {}).get("epoch", epoch)))
-        if mine is not None:
-            set_rng_state(mine)
-    if ctx.is_main:
-        after = f" after batch {batch}" if batch else ""
-        log.info("resumed from %s at epoch %d%s (step %d)", where, epoch + 1, after, step)
-    return {
-        # The file is loaded to the CPU; your own tensors come back on this rank's device.
-        **to_device(dict(state.get("extra") or {}), ctx.device),
-        "epoch": epoch,
-        "batch": batch,
-        "step": step,
-        "path": where,
-    }
+    return Saved(
+        path=where,
+        epoch=int(state["epoch"]),
+        batch=int(state.get("batch", 0)),
+        step=int(state["global_step"]),
+        loader=dict(state.get("loader") or {}),
+        rng=mine,
+        extra=dict(state.get("extra") or {}),
+        sharded=bool(state.get("sharded")),
+    )
 
 
 # -- loading ---------------------------------------------------------------------------
-def _load_file(path: Path, ctx: DistContext) -> dict[str, Any]:
-    """One named file, loaded on every rank; all ranks load the same bytes, or all raise."""
-    problem: str | None = None
-    digest = ""
-    state: dict[str, Any] = {}
-    try:
-        state = load_checkpoint(path, ctx)
-        # The ranks compare what they read; one process has no one to compare with,
-        # and a second read of the file would double the cost of the load.
-        digest = _sha256(path) if ctx.distributed else ""
-    except CheckpointError as exc:
-        problem = str(exc)
-    except OSError as exc:  # vanished or unreadable between the load and the hash
-        problem = f"checkpoint {path} cannot be read ({exc.strerror or exc})"
-    outcomes: list[Any] = [(problem, digest)]
-    if ctx.distributed:
-        outcomes = [None] * ctx.world_size
-        dist.all_gather_object(outcomes, (problem, digest))
-    # Rank 0's own message when it failed: the same one line on every rank.
-    if outcomes[0][0] is not None:
-        raise CheckpointError(outcomes[0][0])
-    failed = [r for r, (p, _) in enumerate(outcomes) if p is not None]
-    if failed:
-        reasons = "; ".join(f"rank {r}: {outcomes[r][0]}" for r in failed)
-        raise CheckpointError(
-            f"rank(s) {', '.join(map(str, failed))} could not load {path} ({reasons}): every "
-            "rank must load the same file; put it where every node sees it"
-        )
-    differ = [r for r, (_, d) in enumerate(outcomes) if d != outcomes[0][1]]
-    if differ:
-        raise CheckpointError(
-            f"rank(s) {', '.join(map(str, differ))} read other bytes in {path} than rank 0: "
-            "every node must see the same file, and nothing may rewrite it during a resume"
-        )
-    return state
-
-
-def _sha256(path: Path) -> str:
-    if path.is_dir():  # a sharded checkpoint: its meta file holds what every rank reads
-        path = path / META
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _restore_parts(
     path: Path,
     state: dict[str, Any],
@@ -390,15 +423,8 @@ def _load_whole(
             "model is sharded (strategy fsdp): resume it as it was saved (strategy ddp, "
             "or one process), or start the sharded run afresh in another folder"
         )
-    try:
-        load_model_state(model, state["model"])
-    except RuntimeError as exc:  # torch's message lists every key: keep its first line
-        written = state.get("model_class") or "another model"
-        first = str(exc).strip().splitlines()[0].rstrip(":")
-        raise CheckpointError(
-            f"{path} holds the state of {written}, which does not fit this job's model "
-            f"{type(unwrap(model)).__qualname__} ({first}): give each model its own folder"
-        ) from None
+    check_same_model(model, state, path)  # one line naming both models
+    load_model_state(model, state["model"])
     try:
         optimizer.load_state_dict(state["optimizer"])
     except (ValueError, KeyError) as exc:

@@ -22,12 +22,13 @@ from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.compression import bf16_allreduce_hook
 from ddpkit.parallel.fsdp import as_sharded, gathered
-from ddpkit.parallel.model import sync_buffers
+from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.sync import no_backward_sync
 
 log = logging.getLogger("ddpkit")
 
 NAMES = ("ddp", "fsdp")
+_MARK = "_ddpkit_strategy"  # the attribute of a prepared model that names its strategy
 
 
 def prepare_model(
@@ -84,6 +85,8 @@ def prepare_model(
     if isinstance(model, DDP):
         raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
     model = model.to(ctx.device)
+    # Remembered on the model, for save_state and load_state (see Strategy.of).
+    object.__setattr__(model, _MARK, plan.name)
     if not ctx.distributed:
         return model
     if sync_batchnorm:
@@ -205,5 +208,7 @@ class Strategy:
 
     @staticmethod
     def of(model: nn.Module, ctx: DistContext) -> Strategy:
-        """The strategy a prepared `model` was wrapped with."""
-        return Strategy("fsdp" if as_sharded(model) is not None else "ddp", ctx)
+        """The strategy `prepare_model` gave `model` ("ddp" for a model it never saw)."""
+        named = getattr(unwrap(model), _MARK, None)
+        sharded = as_sharded(model) is not None or named == "fsdp"
+        return Strategy("fsdp" if sharded else "ddp", ctx)

@@ -23,15 +23,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.checkpoint.pt import (
-    check_same_model,
-    find_checkpoint,
-    load_model_state,
-    lock_folder,
-    model_class_name,
-    save_checkpoint,
-)
-from ddpkit.checkpoint.sharded import load_shards, tensors_of
+from ddpkit.checkpoint.pt import find_checkpoint, lock_folder
+from ddpkit.checkpoint.state import checkpoint_state, restore, save_state
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError, Preempted
 from ddpkit.parallel.batches import (
@@ -672,28 +665,26 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds (with strategy "fsdp", model and optimizer are
-        written as shards instead: see `save`)."""
-        return {
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            **self._training_state(),
-        }
+        """What a checkpoint holds (`ddpkit.checkpoint.state.checkpoint_state`, the
+        schema `save_state` writes too); with strategy "fsdp" the model and optimizer
+        are written as shards instead (see `save`)."""
+        return checkpoint_state(
+            self.model,
+            self.optimizer,
+            self.ctx,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+            loader=self.train_loader,
+            epoch=self.epoch,
+            batch=self.batch,
+            step=self.global_step,
+            extra=self._extra(),
+        )
 
-    def _training_state(self) -> dict[str, Any]:
+    def _extra(self) -> dict[str, Any]:
+        """The Trainer's own values in a checkpoint, beside the loop's position."""
         return {
-            # Which model wrote it, to name it when another model is resumed from it.
-            "model_class": model_class_name(self.model),
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "scaler": self.precision.state_dict() or None,
             "callbacks": [cb.state_dict() for cb in self.callbacks],
-            "epoch": self.epoch,
-            "batch": self.batch,
-            # Where the epoch stands in samples of its global order, which any number
-            # of ranks can resume (the batch count holds only for this one).
-            "world_size": self.ctx.world_size,
-            "epoch_samples": self.train_loader.samples_done(self.batch, self.ctx.world_size),
-            "global_step": self.global_step,
             "samples_seen": self.samples_seen,
             "should_stop": self.should_stop,
             "config": self.config.to_dict(),
@@ -704,18 +695,19 @@ class Trainer:
         a callback's `on_step_end`: a resumed run then continues with the next batch."""
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
-        sync_buffers(self.model, self.ctx)  # the checkpoint holds rank 0's; so does every rank
-        if self.strategy.shards_checkpoints:  # every rank writes its part of the model
-            state, shards = self._training_state(), tensors_of(self.model, self.optimizer)
-        else:
-            state, shards = self.state_dict(), None
-        self.last_checkpoint = save_checkpoint(
-            state,
+        self.last_checkpoint = save_state(
             self.config.checkpoint_dir,
             self.ctx,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+            loader=self.train_loader,
+            epoch=self.epoch,
+            batch=self.batch,
             step=self.global_step,
+            extra=self._extra(),
             keep_last=self.config.keep_last,
-            shards=shards,
         )
         self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
@@ -726,44 +718,34 @@ class Trainer:
         if found is None:
             self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
             return
-        path, state = found.path, found.state
-        if bool(state.get("sharded")) != self.strategy.shards_checkpoints:
+        if bool(found.state.get("sharded")) != self.strategy.shards_checkpoints:
             raise CheckpointError(
-                f"{path} was written with strategy {'fsdp' if state.get('sharded') else 'ddp'}"
-                f" and this run uses {self.config.strategy}: resume with the same --strategy"
+                f"{found.path} was written with strategy "
+                f"{'fsdp' if found.state.get('sharded') else 'ddp'} and this run uses "
+                f"{self.strategy.name}: resume with the same --strategy"
             )
-        if self.strategy.shards_checkpoints:  # on any number of ranks: DCP reshards
-            load_shards(path, self.model, self.optimizer)
-        else:
-            check_same_model(self.model, state, path)  # one line naming both
-            load_model_state(self.model, state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        for name, part in (("scheduler", self.scheduler), ("scaler", self.precision)):
-            if part is not None and state.get(name) is not None:
-                part.load_state_dict(state[name])
-        for cb, cb_state in zip(self.callbacks, state.get("callbacks") or [], strict=False):
+        saved = restore(
+            found,
+            self.ctx,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
+        )
+        for cb, cb_state in zip(self.callbacks, saved.extra.get("callbacks") or [], strict=False):
             cb.load_state_dict(cb_state)
-        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
-        self.batch = int(state.get("batch", 0))
+        self.epoch, self.global_step, self.batch = saved.epoch, saved.step, saved.batch
         if self.batch:
-            self._reposition(state)
-        self.samples_seen = int(state.get("samples_seen", 0))  # 0: older checkpoints
-        self.should_stop = bool(state.get("should_stop", False))
-        rngs = state.get("rng") or []
-        if len(rngs) == self.ctx.world_size:
+            self._reposition(saved.loader)
+        self.samples_seen = int(saved.extra.get("samples_seen", 0))
+        self.should_stop = bool(saved.extra.get("should_stop", False))
+        if saved.rng is not None:
             # Mid-epoch, the stream is restored once the trained batches are skipped.
-            self._resume_rng = rngs[self.ctx.rank]
+            self._resume_rng = saved.rng
             if not self.batch:
                 set_rng_state(self._resume_rng)
                 self._resume_rng = None
-        elif self.ctx.is_main:
-            log.warning(
-                "checkpoint was written by %d rank(s), this job has %d: random state is "
-                "not restored, so the run will not repeat the uninterrupted one exactly",
-                len(rngs),
-                self.ctx.world_size,
-            )
-        self.last_checkpoint = path
+        self.last_checkpoint = saved.path
         # Said once, by rank 0, as what happened (the skipped files are already skipped).
         skipped = f"{found.skip_note()}; " if found.skipped else ""
         epochs = self.config.epochs
@@ -776,21 +758,21 @@ class Trainer:
         else:
             where = f" after batch {self.batch}" if self.batch else ""
             self.say(
-                f"{skipped}resumed from {path} at epoch {self.epoch + 1}{where} "
+                f"{skipped}resumed from {saved.path} at epoch {self.epoch + 1}{where} "
                 f"(step {self.global_step})"
             )
             return
-        self.say(f"{skipped}nothing to do: {path} {done}")
+        self.say(f"{skipped}nothing to do: {saved.path} {done}")
 
-    def _reposition(self, state: dict[str, Any]) -> None:
+    def _reposition(self, loader: dict[str, Any]) -> None:
         """Resume mid-epoch after the samples the saved run trained, in the epoch's
         global order: on as many ranks with the same batch size, that is the same
         batch; on another number of ranks, what is left of the order is shared out over
         this job's ranks (each sample of the epoch is trained once)."""
-        world, size = self.ctx.world_size, self.config.batch_size
-        old_size = int(state.get("config", {}).get("batch_size", size))
-        old_world = int(state.get("world_size", len(state.get("rng") or []) or world))
-        samples = int(state.get("epoch_samples", self.batch * old_size * old_world))
+        world = self.ctx.world_size
+        old_world = int(loader.get("world_size", world))
+        old_size = int(loader.get("batch_size") or self.config.batch_size)
+        samples = int(loader.get("epoch_samples", self.batch * old_size * old_world))
         self.batch = self.train_loader.batches_after(samples, world, old_world)
 
     # -- pieces of a step -------------------------------------------------------------

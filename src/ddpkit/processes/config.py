@@ -1,0 +1,119 @@
+"""LaunchConfig: how the processes of a job are started and watched.
+
+One object for `launch()`, `ddpkit train` and `ddpkit run` (torchrun's elastic agent):
+each setting is declared and checked here once. A bad value is refused when the config
+is made, before any process starts, in one line that names the command-line flag and
+the Python keyword, for the same check serves both kinds of user.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ddpkit.errors import ConfigError
+from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
+from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
+
+MAX_PORT = 65535
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the workers of a job start and are watched. Every field has a default."""
+
+    nprocs: int | str = "auto"
+    """Processes on this machine: "auto" is one per visible GPU, else one per CPU core."""
+    backend: str = "auto"
+    """"auto" (nccl on GPUs, gloo on CPU), "gloo" or "nccl"."""
+    init: str = "tcp"
+    """How ranks meet under `launch`: "tcp" (a store on 127.0.0.1 at a free port) or
+    "file"."""
+    timeout: float = 1800.0
+    """Seconds any collective may wait before it fails (torch's default, 30 min)."""
+    hang_timeout: float | None = None
+    """Seconds ranks may wait for one that makes no progress before the job is stopped
+    and diagnosed, and how often a rank that keeps the others waiting while it works is
+    reported (0: never). At most `timeout`; None: 300, or `timeout` if shorter."""
+    signal_grace: float = DEFAULT_SIGNAL_GRACE
+    """After SIGTERM, SIGUSR1 or Ctrl-C, seconds the ranks get to save and stop."""
+    start: str = "auto"
+    """How `launch` starts workers: "auto", "fork", "forkserver" or "spawn"."""
+    nnodes: int = 1
+    """Machines in the job (`ddpkit run` only: `launch` runs on one machine)."""
+    node_rank: int = 0
+    """This machine's number, 0 to nnodes - 1."""
+    master_addr: str | None = None
+    """Node 0's address; None for one machine (a store on loopback)."""
+    master_port: int = 29500
+    """The rendezvous port on node 0 (`ddpkit run`)."""
+    max_restarts: int = 0
+    """Times torchrun's agent restarts the workers after a failure (`ddpkit run`)."""
+    rdzv_timeout: float = 300.0
+    """Seconds `ddpkit run` waits for every node to join."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("backend", ("auto", "gloo", "nccl")),
+            ("init", ("tcp", "file")),
+            ("start", ("auto", "fork", "forkserver", "spawn")),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                choices = ", ".join(repr(a) for a in allowed)
+                raise ConfigError(f"{name} must be one of {choices} (got {value!r})")
+        if not (isinstance(self.timeout, int | float) and 0 < self.timeout < math.inf):
+            raise ConfigError(
+                f"timeout must be a number of seconds > 0 (got {self.timeout}): pass timeout=1800"
+            )
+        hang = self.hang_timeout
+        if hang is None:
+            hang = min(DEFAULT_HANG_TIMEOUT, self.timeout)
+            object.__setattr__(self, "hang_timeout", hang)
+        # Each message names the flag and the keyword: the same check serves both.
+        if not (math.isfinite(hang) and hang >= 0):
+            raise ConfigError(
+                f"the hang timeout must be a finite number of seconds >= 0 (got {hang}): "
+                f"pass --hang-timeout {DEFAULT_HANG_TIMEOUT:.0f}, or hang_timeout="
+                f"{DEFAULT_HANG_TIMEOUT:.0f} in Python (0 turns it off)"
+            )
+        if hang > self.timeout:
+            # A collective fails at `timeout`: a longer hang_timeout would never be reached.
+            raise ConfigError(
+                f"the hang timeout ({hang:g} s) must not exceed the collective timeout "
+                f"({self.timeout:g} s), when the collectives fail anyway: pass --hang-timeout "
+                f"{self.timeout:g} or less, or in Python hang_timeout={self.timeout:g} or less "
+                "(or a larger timeout=)"
+            )
+        if not 0 < self.signal_grace < math.inf:
+            raise ConfigError(
+                f"the signal grace must be a number of seconds > 0 (got {self.signal_grace}): "
+                f"pass --signal-grace {DEFAULT_SIGNAL_GRACE:.0f}, or signal_grace="
+                f"{DEFAULT_SIGNAL_GRACE:.0f} in Python"
+            )
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be >= 1 (got {self.nnodes})")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(
+                f"--node-rank must be from 0 to {self.nnodes - 1} (got {self.node_rank})"
+            )
+        if self.nnodes > 1 and not self.master_addr:
+            raise ConfigError("--nnodes > 1 needs --master-addr: the address of node 0")
+        if self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        if not 1 <= self.master_port <= MAX_PORT:
+            raise ConfigError(
+                f"--master-port must be a port number from 1 to {MAX_PORT} "
+                f"(got {self.master_port}): pass --master-port 29500"
+            )
+        if not (math.isfinite(self.rdzv_timeout) and self.rdzv_timeout >= 1):
+            raise ConfigError(
+                f"--rdzv-timeout must be a finite number of seconds >= 1 "
+                f"(got {self.rdzv_timeout}): pass --rdzv-timeout 300"
+            )
+
+    @property
+    def hang_s(self) -> float:
+        """The hang timeout in seconds (resolved: never None)."""
+        assert self.hang_timeout is not None  # set in __post_init__
+        return self.hang_timeout
