@@ -288,7 +288,8 @@ ROWS = [
     Row(
         "hang-timeout-nan",
         ("run", "--hang-timeout", "nan", "s.py"),
-        "--hang-timeout must be a finite number",
+        "the hang timeout must be a finite number of seconds >= 0 (got nan): pass "
+        "--hang-timeout 300, or hang_timeout=300 in Python",
         needs=("s.py",),
     ),
     Row(
@@ -301,12 +302,12 @@ ROWS = [
         ("train", "--signal-grace", "0"),
         "pass --signal-grace 60, or signal_grace=60 in Python",
     ),
-    # launch() checks these for `ddpkit train` and for Python callers: both names.
+    # LaunchConfig checks these for `ddpkit train`, `ddpkit run` and launch(): both names.
     Row(
         "train-hang-timeout-negative",
         ("train", "--hang-timeout", "-1"),
-        "the hang timeout must be >= 0 seconds (got -1.0): pass --hang-timeout 300, or "
-        "hang_timeout=300 in Python (0 turns it off)",
+        "the hang timeout must be a finite number of seconds >= 0 (got -1.0): pass "
+        "--hang-timeout 300, or hang_timeout=300 in Python (0 turns it off)",
     ),
     Row(
         "train-hang-timeout-above-the-collective-timeout",

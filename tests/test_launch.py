@@ -477,3 +477,34 @@ def test_a_forkserver_worker_gets_the_launchers_environment_and_output_of_the_mo
     assert later == ["rank 0 sees second", "rank 1 sees second"]
     server = int(out.stderr.strip().splitlines()[-1])
     assert wait_gone([server]) == []  # it ends with the process that started it
+
+
+def test_launch_config_is_the_one_home_of_the_launch_settings() -> None:
+    from ddpkit.processes.config import LOOPBACK, LaunchConfig
+
+    assert LaunchConfig().hang_timeout == 300  # the default, resolved
+    assert LaunchConfig(timeout=100).hang_timeout == 100  # never above the collective timeout
+    assert LaunchConfig().store_host == LOOPBACK and LaunchConfig().local
+    two = LaunchConfig(nnodes=2, node_rank=1, master_addr="10.0.0.7")
+    assert two.store_host == "10.0.0.7" and not two.local
+    bad = {
+        "backend": ({"backend": "mpi"}, "backend must be one of 'auto', 'gloo', 'nccl'"),
+        "hang": ({"hang_timeout": -1}, "pass --hang-timeout 300, or hang_timeout=300 in Python"),
+        "grace": ({"signal_grace": 0}, "pass --signal-grace 60, or signal_grace=60 in Python"),
+        "nodes": ({"nnodes": 2}, "--nnodes > 1 needs --master-addr"),
+        "port": ({"master_port": 0}, "--master-port must be a port number from 1 to 65535"),
+    }
+    for name, (kwargs, message) in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            LaunchConfig(**kwargs)  # type: ignore[arg-type]
+        assert name
+
+
+def test_run_and_train_declare_the_process_flags_once() -> None:
+    for command in ("run", "train"):
+        out = subprocess.run(
+            [sys.executable, "-m", "ddpkit", command, "--help"], capture_output=True, text=True
+        ).stdout
+        declared = [line.split()[0] for line in out.splitlines() if line.startswith("  --")]
+        assert declared.count("--hang-timeout") == declared.count("--nproc") == 1, command
+        assert "stop the job and show every rank's stack" in out, command

@@ -2,8 +2,9 @@
 
 Every TrainConfig field is a flag (`--batch-size`, `--precision`, ...); a TOML file
 given with `--config` sets any of them, and flags given on the command line win.
-`--allow-oversubscribe` (also `ddpkit run`'s) lets more processes start than the CPU
-cores can carry.
+`--nproc`, `--hang-timeout` and `--allow-oversubscribe` (also `ddpkit run`'s) say how
+many processes start and how they are watched (`ddpkit.processes.config.LaunchConfig`
+checks the values).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.training.config import TrainConfig, field_type, parse_option
 
 # More CPU processes than cores runs slower (a warning); more than this many times the
@@ -143,6 +145,23 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
         job_name = "digits" if args.example is None else args.example
         defaults = dict(example_module(job_name).DEFAULTS)
     return job_name, TrainConfig(**merge_config(defaults, from_file, flags))
+
+
+def add_process_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `ddpkit train` and `ddpkit run` for the processes of a job."""
+    p.add_argument(
+        "--nproc",
+        default="auto",
+        help="processes on this machine: auto = one per GPU, else one per CPU core",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT,
+        help="stop the job and show every rank's stack when no rank has made progress for "
+        f"this many seconds (default {DEFAULT_HANG_TIMEOUT:.0f}; 0: off)",
+    )
+    add_oversubscribe_flag(p)
 
 
 def add_oversubscribe_flag(p: argparse.ArgumentParser) -> None:

@@ -7,15 +7,15 @@ The flags are checked here; `ddpkit.processes.agent` does the work.
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.cli.flags import add_oversubscribe_flag, check_processes
+from ddpkit.cli.flags import add_process_flags, check_processes
 from ddpkit.errors import ConfigError
-from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
+from ddpkit.processes.config import LaunchConfig
 from ddpkit.processes.slurm import slurm_step
 from ddpkit.userfiles import kind_of
 
@@ -28,11 +28,6 @@ def add_parser(sub: Any) -> None:
         help=HELP,
         description=HELP,
         usage="ddpkit run [options] (SCRIPT | -m MODULE) [ARGS ...]",
-    )
-    p.add_argument(
-        "--nproc",
-        default="auto",
-        help="processes on this machine: auto = one per GPU, else one per CPU core",
     )
     p.add_argument(
         "--nnodes", type=int, help="machines in the job (default 1; under srun: the step's)"
@@ -56,19 +51,12 @@ def add_parser(sub: Any) -> None:
         help="restart all workers up to K times after a failure (default 0)",
     )
     p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=DEFAULT_HANG_TIMEOUT,
-        help="stop the job and show every rank's stack when no rank has made "
-        f"progress for this many seconds (default {DEFAULT_HANG_TIMEOUT:.0f}; 0: off)",
-    )
-    p.add_argument(
         "--rdzv-timeout",
         type=float,
         default=300.0,
         help="seconds to wait for the other nodes (default 300)",
     )
-    add_oversubscribe_flag(p)
+    add_process_flags(p)
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -77,23 +65,20 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _fill_from_slurm(args)
+    settings = LaunchConfig(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        hang_timeout=args.hang_timeout,
+        rdzv_timeout=args.rdzv_timeout,
+    )
     command, nproc = _validate(args)
-    from ddpkit.processes.agent import AgentOptions, run_script  # torch: once the flags are good
+    from ddpkit.processes.agent import run_script  # torch: once the flags are good
     from ddpkit.processes.launcher import exit_now
 
-    code = run_script(
-        AgentOptions(
-            command=command,
-            nproc=nproc,
-            nnodes=args.nnodes,
-            node_rank=args.node_rank,
-            master_addr=args.master_addr,
-            master_port=args.master_port,
-            max_restarts=args.max_restarts,
-            hang_timeout=args.hang_timeout,
-            rdzv_timeout=args.rdzv_timeout,
-        )
-    )
+    code = run_script(command, dataclasses.replace(settings, nprocs=nproc))
     # No interpreter shutdown, as for the workers: torch's threads (the store client
     # of the hang watch on several nodes) can turn it into an abort after a clean run.
     exit_now(code)
@@ -131,32 +116,6 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
 
 
 def _command(args: argparse.Namespace) -> list[str]:
-    if args.nnodes < 1:
-        raise ConfigError(f"--nnodes must be >= 1 (got {args.nnodes})")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ConfigError(
-            f"--node-rank must be in [0, {args.nnodes}) for --nnodes {args.nnodes} "
-            f"(got {args.node_rank}): number the machines 0 to {args.nnodes - 1}"
-        )
-    if args.nnodes > 1 and not args.master_addr:
-        raise ConfigError("--nnodes > 1 needs --master-addr: the address of node 0")
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    if not 1 <= args.master_port <= _MAX_PORT:
-        raise ConfigError(
-            f"--master-port must be a port number from 1 to {_MAX_PORT} "
-            f"(got {args.master_port}): pass --master-port 29500"
-        )
-    if not (math.isfinite(args.hang_timeout) and args.hang_timeout >= 0):
-        raise ConfigError(
-            f"--hang-timeout must be a finite number of seconds >= 0 (got {args.hang_timeout}): "
-            "pass --hang-timeout 300, or 0 to turn it off"
-        )
-    if not (math.isfinite(args.rdzv_timeout) and args.rdzv_timeout >= 1):
-        raise ConfigError(
-            f"--rdzv-timeout must be a finite number of seconds >= 1 (got {args.rdzv_timeout}): "
-            "pass --rdzv-timeout 300"
-        )
     if args.module:
         import importlib.util
 
@@ -186,6 +145,3 @@ def _command(args: argparse.Namespace) -> list[str]:
             "check its permissions, or pass a script you can read"
         )
     return [args.script, *args.args]
-
-
-_MAX_PORT = 65535

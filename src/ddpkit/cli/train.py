@@ -19,14 +19,14 @@ from typing import Any
 from ddpkit.cli.flags import (
     add_config_flags,
     add_job_flags,
-    add_oversubscribe_flag,
+    add_process_flags,
     check_processes,
     job_and_config,
     print_job_help,
 )
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, Preempted
+from ddpkit.processes.config import LaunchConfig
 from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
-from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
@@ -37,22 +37,10 @@ def add_parser(sub: Any) -> None:
     )
     add_job_flags(p)
     p.add_argument(
-        "--nproc",
-        default="auto",
-        help="processes: 'auto' = one per GPU, else one per CPU core (default)",
-    )
-    p.add_argument(
         "--backend",
         default="auto",
         choices=("auto", "gloo", "nccl"),
         help="auto = nccl on GPUs, gloo on CPU",
-    )
-    p.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=DEFAULT_HANG_TIMEOUT,
-        help="stop and diagnose the job when no rank progresses this long "
-        f"(default {DEFAULT_HANG_TIMEOUT:.0f}; 0: off)",
     )
     p.add_argument(
         "--signal-grace",
@@ -65,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--json", action="store_true", help="print the result as one JSON object on the last line"
     )
-    add_oversubscribe_flag(p)
+    add_process_flags(p)
     add_config_flags(p)
     p.set_defaults(func=run)
 
@@ -75,6 +63,12 @@ def run(args: argparse.Namespace) -> int:
         return print_job_help(args)
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
     job_name, config = job_and_config(args)
+    settings = LaunchConfig(
+        nprocs=args.nproc,
+        backend=args.backend,
+        hang_timeout=args.hang_timeout,
+        signal_grace=args.signal_grace,
+    )
     # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
     from ddpkit.checkpoint.pt import check_writable, find_checkpoint
     from ddpkit.context import DistContext
@@ -103,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
             config,
             nprocs=nproc,
             backend=backend,  # type: ignore[arg-type]
-            hang_timeout=args.hang_timeout,
-            signal_grace=args.signal_grace,
+            hang_timeout=settings.hang_timeout,
+            signal_grace=settings.signal_grace,
         )
     except Preempted as exc:
         if RUN_WORKER in os.environ:

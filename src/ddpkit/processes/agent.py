@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import ipaddress
 import json
 import logging
 import os
@@ -24,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +39,9 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 )
 
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
+from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.launcher import serve_store, threads_per_rank  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
-    DEFAULT_HANG_TIMEOUT,
     HANG_EXIT,
     HangJudge,
     blame_key,
@@ -55,31 +53,17 @@ from ddpkit.processes.scratch import scratch_dir  # noqa: E402
 from ddpkit.processes.watchdog import descendants  # noqa: E402
 
 
-@dataclass(frozen=True)
-class AgentOptions:
-    """How `run_script` starts the workers (the flags of `ddpkit run`, validated)."""
-
-    command: list[str]  # SCRIPT ARGS..., or -m MODULE ARGS...
-    nproc: int  # workers on this machine
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None  # node 0's address; None for one machine
-    master_port: int = 29500
-    max_restarts: int = 0
-    hang_timeout: float = DEFAULT_HANG_TIMEOUT  # 0: off
-    rdzv_timeout: float = 300.0
-
-
-def run_script(opts: AgentOptions) -> int:
-    """Run `opts.command` on every worker through torchrun's agent; the exit status.
+def run_script(command: list[str], opts: LaunchConfig) -> int:
+    """Run `command` (SCRIPT ARGS..., or -m MODULE ARGS...) on every worker through
+    torchrun's agent, `opts.nprocs` (resolved to a number) on this machine; the exit
+    status.
 
     0 when every worker succeeded; 1 after a crash, with the first failing rank's
     traceback on stderr; 124 for a hang, with every rank's stack; 128 + N when the job
     was stopped by signal N.
     """
-    single = opts.nnodes == 1
-    host = "127.0.0.1" if single else str(opts.master_addr)
-    local = single or _is_loopback(host)
+    single, host, local = opts.nnodes == 1, opts.store_host, opts.local
+    nproc = int(opts.nprocs)
     store: Any = None
     if opts.node_rank == 0:
         # Node 0 serves the rendezvous itself, bound to the one address it was given.
@@ -98,9 +82,9 @@ def run_script(opts: AgentOptions) -> int:
     _patch_agent_store(loopback=local)
     status = scratch_dir("run")
     env = {
-        **_thread_env(opts.nproc),
+        **_thread_env(nproc),
         RUN_WORKER: str(status),
-        "DDPKIT_HANG_TIMEOUT": str(opts.hang_timeout),
+        "DDPKIT_HANG_TIMEOUT": str(opts.hang_s),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
     if not single:
@@ -116,22 +100,22 @@ def run_script(opts: AgentOptions) -> int:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
     torchrun_args = [
-        *("--nnodes", str(opts.nnodes), "--nproc-per-node", str(opts.nproc)),
+        *("--nnodes", str(opts.nnodes), "--nproc-per-node", str(nproc)),
         *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id),
         *("--rdzv-conf", f"is_host=false,join_timeout={int(opts.rdzv_timeout)}"),
         *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
         *("--log-dir", str(status / "torchelastic")),  # else torch leaves one in $TMPDIR
-        *(["--local-addr", "127.0.0.1"] if local else []),
+        *(["--local-addr", LOOPBACK] if local else []),
         # "--": what follows is the workers' command, never torchrun's options (argparse
         # would take an abbreviation such as --nproc in it for one of its own).
-        *("--module", "--", "ddpkit.processes.shim", *opts.command),
+        *("--module", "--", "ddpkit.processes.shim", *command),
     ]
     try:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
         if not single:
-            reports = _StoreReports(host, port, opts.nnodes * opts.nproc)
-        world = opts.nproc if single else opts.nnodes * opts.nproc
-        return _supervise(torchrun_args, status, reports, opts.hang_timeout, world)
+            reports = _StoreReports(host, port, opts.nnodes * nproc)
+        world = nproc if single else opts.nnodes * nproc
+        return _supervise(torchrun_args, status, reports, opts.hang_s, world)
     except RendezvousTimeoutError:
         raise ConfigError(
             f"the other nodes did not join within {opts.rdzv_timeout:.0f} s: start all "
@@ -150,13 +134,6 @@ def run_script(opts: AgentOptions) -> int:
     finally:
         shutil.rmtree(status, ignore_errors=True)
         del store
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def _wait_for_master(host: str, port: int, timeout_s: float) -> None:
@@ -204,7 +181,7 @@ def _patch_agent_store(loopback: bool) -> None:
         return original_next(self)
 
     def create(self: Any, master_addr: str, master_port: int) -> Any:
-        return serve_store("127.0.0.1", master_port, multi_tenant=True)
+        return serve_store(LOOPBACK, master_port, multi_tenant=True)
 
     Handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
     if loopback and hasattr(Handler, "_create_tcp_store_server"):

@@ -8,7 +8,9 @@ the Python keyword, for the same check serves both kinds of user.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 from dataclasses import dataclass
 
 from ddpkit.errors import ConfigError
@@ -16,6 +18,9 @@ from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
 from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
 
 MAX_PORT = 65535
+# Every store and socket ddpkit serves listens here, unless the user names node 0's
+# address for a job of several machines.
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,8 @@ class LaunchConfig:
             raise ConfigError(f"--nnodes must be >= 1 (got {self.nnodes})")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(
-                f"--node-rank must be from 0 to {self.nnodes - 1} (got {self.node_rank})"
+                f"--node-rank must be in [0, {self.nnodes}) for --nnodes {self.nnodes} "
+                f"(got {self.node_rank}): number the machines 0 to {self.nnodes - 1}"
             )
         if self.nnodes > 1 and not self.master_addr:
             raise ConfigError("--nnodes > 1 needs --master-addr: the address of node 0")
@@ -113,7 +119,26 @@ class LaunchConfig:
             )
 
     @property
+    def store_host(self) -> str:
+        """Where the rendezvous store listens: loopback for one machine, else node 0's
+        address as the user gave it."""
+        return LOOPBACK if self.nnodes == 1 else str(self.master_addr)
+
+    @property
+    def local(self) -> bool:
+        """Every worker runs on this machine: sockets can stay on loopback."""
+        return self.nnodes == 1 or is_loopback(self.store_host)
+
+    @property
     def hang_s(self) -> float:
         """The hang timeout in seconds (resolved: never None)."""
         assert self.hang_timeout is not None  # set in __post_init__
         return self.hang_timeout
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback interface."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False

@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import io
 import logging
-import math
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
+from ddpkit.processes.config import LOOPBACK, LaunchConfig
 from ddpkit.processes.group import destroy_group
 from ddpkit.processes.nccl import TRACE_PREFIX, nccl_watch
 from ddpkit.processes.preemption import (
@@ -52,7 +52,6 @@ from ddpkit.processes.preemption import (
     restore_handlers,
 )
 from ddpkit.processes.report import (
-    DEFAULT_HANG_TIMEOUT,
     HangJudge,
     blame_key,
     left_early,
@@ -79,7 +78,6 @@ _LIBUV_REFUSES_SOCKETS = (2, 4) <= release(torch.__version__) < (2, 8)
 
 # Seconds a worker gets to exit after SIGTERM before it is killed.
 _GRACE_S = 3.0
-_LOOPBACK = "127.0.0.1"
 
 
 def under_torchrun() -> bool:
@@ -390,46 +388,25 @@ def launch(
             A SystemExit too: a script that does not catch it exits with status 75.
         ConfigError: a bad argument, named with its fix.
     """
-    if init not in ("tcp", "file"):
-        raise ConfigError(f"init must be 'tcp' or 'file' (got {init!r})")
-    if start not in ("auto", "fork", "forkserver", "spawn"):
-        raise ConfigError(f"start must be 'auto', 'fork', 'forkserver' or 'spawn' (got {start!r})")
-    if hang_timeout is None:
-        hang_timeout = min(DEFAULT_HANG_TIMEOUT, timeout)
-    # `ddpkit train` passes its flags on unchecked: each message names the flag and the
-    # keyword, for it cannot tell whom it speaks to.
-    if not hang_timeout >= 0:
-        raise ConfigError(
-            f"the hang timeout must be >= 0 seconds (got {hang_timeout}): pass --hang-timeout "
-            f"{DEFAULT_HANG_TIMEOUT:.0f}, or hang_timeout={DEFAULT_HANG_TIMEOUT:.0f} in Python "
-            "(0 turns it off)"
-        )
-    if not timeout > 0:
-        raise ConfigError(f"timeout must be > 0 seconds (got {timeout}): pass timeout=1800")
-    if not 0 < signal_grace < math.inf:
-        raise ConfigError(
-            f"the signal grace must be a number of seconds > 0 (got {signal_grace}): pass "
-            f"--signal-grace {DEFAULT_SIGNAL_GRACE:.0f}, or signal_grace="
-            f"{DEFAULT_SIGNAL_GRACE:.0f} in Python"
-        )
-    if hang_timeout > timeout:
-        # A collective fails at `timeout`: a longer hang_timeout would never be reached.
-        raise ConfigError(
-            f"the hang timeout ({hang_timeout:g} s) must not exceed the collective timeout "
-            f"({timeout:g} s), when the collectives fail anyway: pass --hang-timeout "
-            f"{timeout:g} or less, or in Python hang_timeout={timeout:g} or less (or a larger "
-            "timeout=)"
-        )
+    cfg = LaunchConfig(
+        nprocs=nprocs,
+        backend=backend,
+        init=init,
+        timeout=timeout,
+        hang_timeout=hang_timeout,
+        signal_grace=signal_grace,
+        start=start,
+    )
     if dist.is_available() and dist.is_initialized():
         # The caller set up the group itself (or we are nested): just run.
         return fn(DistContext.current(), *args)
     if under_torchrun():
-        return _run_under_agent(fn, args, resolve_backend(backend), timeout)
-    backend_ = resolve_backend(backend)
-    n = resolve_nprocs(nprocs, backend_)
-    if n == 1 and start == "auto":
-        return _run_single(fn, args, backend_, timeout)
-    return _spawn(fn, args, n, backend_, init, timeout, hang_timeout, signal_grace, start)
+        return _run_under_agent(fn, args, resolve_backend(cfg.backend), cfg.timeout)
+    backend_ = resolve_backend(cfg.backend)
+    n = resolve_nprocs(cfg.nprocs, backend_)
+    if n == 1 and cfg.start == "auto":
+        return _run_single(fn, args, backend_, cfg.timeout)
+    return _spawn(fn, args, n, backend_, cfg)
 
 
 def _device_for(backend: str, local_rank: int) -> torch.device:
@@ -555,22 +532,19 @@ def _spawn(
     args: tuple[Any, ...],
     n: int,
     backend: str,
-    init: str,
-    timeout_s: float,
-    hang_timeout: float,
-    signal_grace: float,
-    start: StartMethod,
+    cfg: LaunchConfig,
 ) -> T:
+    timeout_s, hang_timeout = cfg.timeout, cfg.hang_s
     _check_picklable(fn)
     unimportable = _unimportable(fn, args)
-    method = start_method(start, backend, unimportable=unimportable)
+    method = start_method(cast(StartMethod, cfg.start), backend, unimportable=unimportable)
     mp: Any = multiprocessing.get_context(method)
     if method == "forkserver":
         _preload_in_forkserver(["torch", "ddpkit.processes.launcher"])
     # The store's server runs on a thread, and a fork must happen while there is none:
     # the socket is bound and listening now (so its port is known and connections
     # queue), and the store starts serving it once the workers exist.
-    listener = listening_socket(_LOOPBACK) if init == "tcp" else None
+    listener = listening_socket(LOOPBACK) if cfg.init == "tcp" else None
     store: Any = None
     tmpdir = scratch_dir("job")
     status = tmpdir / "status" if hang_timeout > 0 else None
@@ -603,12 +577,12 @@ def _spawn(
     # function from a notebook or python -c, whose kernel threads a worker never uses
     # (see start_method): the warning would only alarm the user. Asked for by name,
     # fork keeps Python's warning.
-    quiet_fork = start == "auto" and method == "fork"
+    quiet_fork = cfg.start == "auto" and method == "fork"
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
     forwarder = SignalForwarder(
         lambda: [p.pid for p in procs.values() if p.pid is not None and p.is_alive()],
-        signal_grace,
+        cfg.signal_grace,
     )
     handlers = forwarder.install()
     try:
@@ -919,7 +893,7 @@ def listening_socket(host: str, port: int = 0) -> socket.socket:
 
 
 def serve_store(
-    host: str = _LOOPBACK,
+    host: str = LOOPBACK,
     port: int = 0,
     world_size: int | None = None,
     *,
@@ -1023,7 +997,7 @@ def _worker(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR=_LOOPBACK,
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(spec.store_port or 0),
     )
     lo = _loopback_interface()
@@ -1048,7 +1022,7 @@ def _worker(
         device = _device_for(spec.backend, rank)
         if spec.store_port is not None:
             store = TCPStore(
-                _LOOPBACK,
+                LOOPBACK,
                 spec.store_port,
                 world,
                 is_master=False,
