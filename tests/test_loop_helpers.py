@@ -12,6 +12,7 @@ import contextlib
 import copy
 import io
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -477,3 +478,55 @@ def test_precision_autocast_nests_and_restores() -> None:
         with prec.autocast():
             assert torch.is_autocast_enabled("cpu")
     assert not torch.is_autocast_enabled("cpu")
+
+
+# -- one rule for ctx ----------------------------------------------------------------------
+def test_no_public_helper_needs_ctx() -> None:
+    """Every public name that takes `ctx` takes it as an optional argument, with
+    DistContext.current() as the default."""
+    import inspect
+
+    taking = []
+    for name in ddpkit.__all__:
+        obj = getattr(ddpkit, name)
+        if not callable(obj) or name in ("Trainer", "Job", "DistContext"):
+            continue  # the Trainer is given its ctx once; Job is data
+        target = obj.__init__ if inspect.isclass(obj) else obj
+        params = inspect.signature(target).parameters
+        if "ctx" in params:
+            taking.append(name)
+            assert params["ctx"].default is None, name
+    assert len(taking) >= 8, taking
+
+
+def _without_ctx(ctx: DistContext, folder: str) -> dict[str, Any]:
+    """The helpers called without ctx on every rank; they find it themselves."""
+    torch.manual_seed(0)
+    model = ddpkit.prepare_model(torch.nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.rand(16, 3), torch.rand(16, 1))
+    loader = ddpkit.prepare_loader(data, batch_size=4)
+    prec = ddpkit.Precision("32")
+    with ddpkit.rank_zero_first():
+        pass
+    for x, y in loader:
+        with prec.autocast():
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        prec.backward(loss)
+        prec.step(opt)
+        opt.zero_grad()
+    ddpkit.barrier()
+    ddpkit.save_state(folder, model=model, optimizer=opt, epoch=1, step=2)
+    back = ddpkit.load_state(folder, model=model, optimizer=opt)
+    return {
+        "sum": ddpkit.reduce_sum(ctx.rank + 1),
+        "mean": ddpkit.reduce_mean(float(ctx.rank)),
+        "batches": len(loader),
+        "wrapped": find_ddp(model) is not None,
+        "step": None if back is None else back["step"],
+    }
+
+
+def test_the_helpers_find_ctx_themselves_on_two_ranks(tmp_path: Path) -> None:
+    out = launch(_without_ctx, str(tmp_path), nprocs=2)
+    assert out == {"sum": 3.0, "mean": 0.5, "batches": 2, "wrapped": True, "step": 2}

@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
     from ddpkit.checkpoint.pt import check_writable, find_checkpoint
     from ddpkit.context import DistContext
+    from ddpkit.parallel.strategy import Strategy
     from ddpkit.processes.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
 
     backend = resolve_backend(args.backend)
@@ -80,10 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if backend == "gloo" and not under_torchrun():
         check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
     check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
-    if config.strategy == "fsdp" and backend == "gloo":
-        from ddpkit.parallel.fsdp import check_on_cpu
-
-        check_on_cpu(config.fsdp_offload)
+    Strategy(config.strategy).check(
+        backend, offload=config.fsdp_offload, grad_compression=config.grad_compression
+    )
     if config.run_dir is not None:
         check_folder("run_dir", config.run_dir)
     if config.checkpoint_dir is not None:

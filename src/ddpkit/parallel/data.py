@@ -304,7 +304,7 @@ def _as_is(batch: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def prepare_loader(
     dataset: Dataset[Any] | DataLoader[Any],
-    ctx: DistContext,
+    ctx: DistContext | None = None,
     batch_size: int | None = None,
     *,
     shuffle: bool | None = None,
@@ -341,7 +341,7 @@ def prepare_loader(
 
     Args:
         dataset: a map-style dataset, or an IterableDataset that shards itself by rank.
-        ctx: this rank's `DistContext`.
+        ctx: this rank's `DistContext` (default: `DistContext.current()`).
         batch_size: samples per rank; the global batch is `batch_size * world_size`.
         shuffle: shuffle the training order (default: True for training; not allowed
             with `sampler` or `evaluation`).
@@ -366,6 +366,7 @@ def prepare_loader(
     Raises:
         ConfigError: for a bad size or a combination that cannot work.
     """
+    ctx = ctx or DistContext.current()
     if isinstance(dataset, DataLoader):
         kept = _kept_options(dataset, batch_size, shuffle, evaluation)
         inner = dataset.dataset

@@ -90,7 +90,8 @@ class Precision:
     give it back with `prec.load_state_dict(...)` on resume.
     """
 
-    def __init__(self, precision: str | int, ctx: DistContext) -> None:
+    def __init__(self, precision: str | int, ctx: DistContext | None = None) -> None:
+        ctx = ctx or DistContext.current()
         name = _NAMES.get(str(precision))
         if name is None:
             raise ConfigError(

@@ -81,7 +81,7 @@ def prepare_model(
     """
     ctx = ctx or DistContext.current()
     plan = strategy if isinstance(strategy, Strategy) else Strategy(strategy, ctx)
-    plan.check(ctx.backend, grad_compression=grad_compression)
+    plan.check(grad_compression=grad_compression)
     if isinstance(model, DDP):
         raise TypeError("model is already wrapped in DistributedDataParallel: pass the bare module")
     model = model.to(ctx.device)
@@ -140,9 +140,12 @@ class Strategy:
         also with one process, so that a run resumes on any number of ranks."""
         return self.name == "fsdp"
 
-    def check(self, backend: str, *, offload: bool = False, grad_compression: str = "none") -> None:
-        """Raise ConfigError, naming the fix, for options this strategy cannot run with
-        (before any process starts, where possible)."""
+    def check(
+        self, backend: str | None = None, *, offload: bool = False, grad_compression: str = "none"
+    ) -> None:
+        """Raise ConfigError, naming the fix, for options this strategy cannot run with.
+        With the `backend` the ranks will use, also what this torch cannot shard on CPU
+        ranks (before any process starts; `shard_model` checks it again)."""
         if grad_compression not in ("none", "bf16"):
             raise ConfigError(
                 f"grad_compression must be 'none' or 'bf16' (got {grad_compression!r})"

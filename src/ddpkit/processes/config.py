@@ -39,11 +39,26 @@ class LaunchConfig:
     hang_timeout: float | None = None
     """Seconds ranks may wait for one that makes no progress before the job is stopped
     and diagnosed, and how often a rank that keeps the others waiting while it works is
-    reported (0: never). At most `timeout`; None: 300, or `timeout` if shorter."""
+    reported (0: never). At most `timeout`; None: 300, or `timeout` if shorter. On NCCL
+    it also shortens `timeout` to a little less (30 s less, or half of it if that is
+    shorter), so that NCCL's watchdog names the collective that waits before the job is
+    stopped: give a longer one where ranks rightly wait longer (`rank_zero_first`)."""
     signal_grace: float = DEFAULT_SIGNAL_GRACE
-    """After SIGTERM, SIGUSR1 or Ctrl-C, seconds the ranks get to save and stop."""
+    """After SIGTERM, SIGUSR1 or Ctrl-C, how long the ranks may take to save and stop (a
+    `Trainer` with a checkpoint folder saves after the step they agree on) before they
+    are stopped regardless. The signal may reach `launch`'s process, which passes it
+    on, or any worker."""
     start: str = "auto"
-    """How `launch` starts workers: "auto", "fork", "forkserver" or "spawn"."""
+    """How `launch` starts workers: "auto" forks them from this process (torch already
+    imported: the first step comes seconds sooner) when that is safe, that is
+    a CPU job on Linux with no thread started since ddpkit was imported;
+    otherwise "spawn" starts fresh interpreters, as `mp.spawn` does. For a
+    function from a notebook or `python -c`, "auto" forks a CPU job on Linux
+    even while threads run (a Jupyter kernel always runs some), as Accelerate's
+    `notebook_launcher` does; a GPU job, or one after CUDA was initialised in
+    this process, cannot start from there and raises ConfigError. With one
+    process, "auto" runs `fn` in this process (no worker at all); naming a
+    start method starts one worker that way, as with several."""
     nnodes: int = 1
     """Machines in the job (`ddpkit run` only: `launch` runs on one machine)."""
     node_rank: int = 0

@@ -346,31 +346,15 @@ def launch(
             or a script read from stdin cannot be imported by a new interpreter, so
             its workers are forked (see `start`).
         *args: passed to `fn` after `ctx`; they must pickle.
-        nprocs: processes to start: "auto" is one per visible GPU, else one per CPU core.
+        nprocs: processes to start ("auto": one per visible GPU, else per CPU core).
         backend: "auto" (nccl on GPUs, gloo on CPU), "gloo" or "nccl".
-        init: how ranks meet: "tcp" (a store on 127.0.0.1 at a free port) or "file".
-        timeout: seconds any collective may wait before it fails (torch's default, 30 min).
-        hang_timeout: how long ranks may wait for one that makes no progress before the
-            job is stopped and diagnosed, and how often a rank that keeps the others
-            waiting while it works is reported (0: never). At most `timeout`; default
-            300 s, or `timeout` if that is shorter. On NCCL it also shortens `timeout`
-            to a little less (30 s less, or half of it if that is shorter), so that
-            NCCL's watchdog names the collective that waits before the job is stopped:
-            give a longer one where ranks rightly wait longer (`rank_zero_first`).
-        signal_grace: after SIGTERM, SIGUSR1 or Ctrl-C, how long the ranks may take to
-            save and stop (a `Trainer` with a checkpoint folder saves after the step
-            they agree on) before they are stopped regardless. The signal may reach
-            this process, which passes it on, or any worker.
-        start: how workers start: "auto" forks them from this process (torch already
-            imported: the first step comes seconds sooner) when that is safe, that is
-            a CPU job on Linux with no thread started since ddpkit was imported;
-            otherwise "spawn" starts fresh interpreters, as `mp.spawn` does. For a
-            function from a notebook or `python -c`, "auto" forks a CPU job on Linux
-            even while threads run (a Jupyter kernel always runs some), as Accelerate's
-            `notebook_launcher` does; a GPU job, or one after CUDA was initialised in
-            this process, cannot start from there and raises ConfigError. With one
-            process, "auto" runs `fn` in this process (no worker at all); naming a
-            start method starts one worker that way, as with several.
+        init: how ranks meet: "tcp" (a store on 127.0.0.1) or "file".
+        timeout: seconds any collective may wait before it fails.
+        hang_timeout: seconds before ranks that make no progress are stopped (0: never).
+        signal_grace: seconds the ranks get to save and stop after a stop signal.
+        start: how workers start: "auto", "fork", "forkserver" or "spawn". Each of
+            these settings is a field of `ddpkit.processes.config.LaunchConfig`, which
+            says in full what it does and checks it.
 
     Returns:
         What `fn` returned on rank 0 (under an agent, only rank 0 returns). From spawned

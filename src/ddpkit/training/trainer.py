@@ -668,27 +668,7 @@ class Trainer:
         """What a checkpoint holds (`ddpkit.checkpoint.state.checkpoint_state`, the
         schema `save_state` writes too); with strategy "fsdp" the model and optimizer
         are written as shards instead (see `save`)."""
-        return checkpoint_state(
-            self.model,
-            self.optimizer,
-            self.ctx,
-            scheduler=self.scheduler,
-            scaler=self.precision.scaler,
-            loader=self.train_loader,
-            epoch=self.epoch,
-            batch=self.batch,
-            step=self.global_step,
-            extra=self._extra(),
-        )
-
-    def _extra(self) -> dict[str, Any]:
-        """The Trainer's own values in a checkpoint, beside the loop's position."""
-        return {
-            "callbacks": [cb.state_dict() for cb in self.callbacks],
-            "samples_seen": self.samples_seen,
-            "should_stop": self.should_stop,
-            "config": self.config.to_dict(),
-        }
+        return checkpoint_state(ctx=self.ctx, **self._parts())
 
     def save(self) -> Path:
         """Checkpoint now (call on every rank; rank 0 writes). Also mid-epoch, e.g. from
@@ -696,21 +676,31 @@ class Trainer:
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
         self.last_checkpoint = save_state(
-            self.config.checkpoint_dir,
-            self.ctx,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.precision.scaler,
-            loader=self.train_loader,
-            epoch=self.epoch,
-            batch=self.batch,
-            step=self.global_step,
-            extra=self._extra(),
-            keep_last=self.config.keep_last,
+            self.config.checkpoint_dir, self.ctx, **self._parts(), keep_last=self.config.keep_last
         )
         self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
+
+    def _parts(self) -> dict[str, Any]:
+        """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
+        own values (callbacks, samples seen, an early stop, the config) are its extra."""
+        extra = {
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "samples_seen": self.samples_seen,
+            "should_stop": self.should_stop,
+            "config": self.config.to_dict(),
+        }
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.precision.scaler,
+            "loader": self.train_loader,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "step": self.global_step,
+            "extra": extra,
+        }
 
     def _resume(self) -> None:
         assert self.config.checkpoint_dir is not None
