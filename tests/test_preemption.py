@@ -261,6 +261,7 @@ RUN_JOB = """
 import sys
 
 import ddpkit
+from ddpkit.checkpoint.digest import model_digest
 from ddpkit.training.job import build_job
 
 
