@@ -29,6 +29,7 @@ log = logging.getLogger("ddpkit")
 
 NAMES = ("ddp", "fsdp")
 _MARK = "_ddpkit_strategy"  # the attribute of a prepared model that names its strategy
+_NOTHING = contextlib.nullcontext()  # stateless: one serves every step
 
 
 def prepare_model(
@@ -207,7 +208,9 @@ class Strategy:
     ) -> contextlib.AbstractContextManager[None]:
         """The context for a micro-batch's forward and backward that must not reduce
         its gradients yet (all micro-batches of an accumulation group but the last)."""
-        return no_backward_sync(model, enabled=skip)
+        if not (skip and self.ctx.distributed):
+            return _NOTHING  # every step of a run on one process: nothing to skip
+        return no_backward_sync(model)
 
     @staticmethod
     def of(model: nn.Module, ctx: DistContext) -> Strategy:
