@@ -644,8 +644,7 @@ def _newest_readable(
         except _Unreadable as exc:
             raise CheckpointError(str(exc)) from None
         return Found(Path(where), state), digest
-    directory = where
-    candidates = list_checkpoints(directory)
+    candidates = list_checkpoints(where)
     broken: list[str] = []
     skipped: list[str] = []
     for path in reversed(candidates):
@@ -658,7 +657,7 @@ def _newest_readable(
         return Found(path, state, skipped), digest
     if candidates:
         raise CheckpointError(
-            f"no checkpoint in {directory} could be read ({'; '.join(broken)}): delete "
+            f"no checkpoint in {where} could be read ({'; '.join(broken)}): delete "
             "them, or drop --resume to start from scratch"
         )
     return None
@@ -742,7 +741,6 @@ def find_checkpoint(where: str | os.PathLike[str], ctx: DistContext) -> Found | 
             not load the file rank 0 chose (the message names the ranks, the file and
             why).
     """
-    directory = where
     if not ctx.distributed:
         mine = _newest_readable(where, names_one(where), ctx)
         return None if mine is None else mine[0]
@@ -772,12 +770,12 @@ def find_checkpoint(where: str | os.PathLike[str], ctx: DistContext) -> Found | 
             raise failure
         raise CheckpointError(
             choice[0][1]
-            or f"rank 0 failed while choosing a checkpoint in {directory}: see rank 0's error"
+            or f"rank 0 failed while choosing a checkpoint in {where}: see rank 0's error"
         )
 
     _, chosen, named, step, digest, skipped = choice[0]  # rank 0's path names it in errors
     # A name in the folder: the same file when nodes share it, wherever they mount it.
-    path = Path(chosen) if named else Path(directory) / Path(chosen).name
+    path = Path(chosen) if named else Path(where) / Path(chosen).name
     problem: str | None = None
     if found is None:
         state, problem = _check_same_file(path, digest)

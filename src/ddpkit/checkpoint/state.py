@@ -316,7 +316,6 @@ class Saved:
     rng: dict[str, Any] | None
     """This rank's random streams; None when another number of ranks saved them."""
     extra: dict[str, Any]
-    sharded: bool
 
 
 def restore(
@@ -359,7 +358,6 @@ def restore(
         loader=dict(state.get("loader") or {}),
         rng=mine,
         extra=dict(state.get("extra") or {}),
-        sharded=bool(state.get("sharded")),
     )
 
 

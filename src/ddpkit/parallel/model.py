@@ -3,16 +3,12 @@ rank, and state-dict keys without the wrappers' prefixes."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
-
-log = logging.getLogger("ddpkit")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
