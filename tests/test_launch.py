@@ -398,7 +398,7 @@ def test_tensors_come_back_from_rank0_intact() -> None:
 
 _AFTER_LAUNCH_SCRIPT = textwrap.dedent(
     """
-    import os
+    import os, sys
     import torch, torch.distributed as dist
     import ddpkit
     from ddpkit.errors import ConfigError
@@ -409,7 +409,9 @@ _AFTER_LAUNCH_SCRIPT = textwrap.dedent(
         return ctx.rank, int(t.item())
 
     if __name__ == "__main__":
-        print("before", os.environ["RANK"], flush=True)
+        # The ranks share one pipe: print writes the newline apart, so lines could mix.
+        sys.stdout.write("before " + os.environ["RANK"] + chr(10))  # one write
+        sys.stdout.flush()
         print("result", ddpkit.launch(total, nprocs=2), flush=True)
         try:
             ddpkit.launch(total, nprocs=2)  # the other ranks have ended
