@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from ddpkit.parallel.strategy import prepare_model
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.seed import seed_everything
 from ddpkit.training.config import TrainConfig
+from ddpkit.training.job import Job
 from ddpkit.training.trainer import Trainer
 
 
@@ -38,6 +41,25 @@ def test_prepare_model_synchronizes_batchnorm_unless_told_not_to() -> None:
     assert SyncBatchNorm.__name__ in launch(_layer_types, True, nprocs=2)
     kinds = launch(_layer_types, False, nprocs=2)
     assert "BatchNorm2d" in kinds and SyncBatchNorm.__name__ not in kinds
+
+
+def test_a_job_holds_exactly_the_trainers_parts() -> None:
+    """Job is a Trainer not yet built: its fields are Trainer's parameters (the run
+    supplies ctx, config and log_fn), in the same order, with the same defaults."""
+    params = [
+        p
+        for name, p in inspect.signature(Trainer).parameters.items()
+        if name not in ("ctx", "config", "log_fn")
+    ]
+    fields = dataclasses.fields(Job)
+    assert [p.name for p in params] == [f.name for f in fields]
+    for p, f in zip(params, fields, strict=True):
+        if f.default_factory is not dataclasses.MISSING:  # callbacks: () there, [] here
+            assert list(p.default) == f.default_factory(), p.name
+        elif f.default is dataclasses.MISSING:
+            assert p.default is inspect.Parameter.empty, p.name
+        else:
+            assert p.default is f.default, p.name
 
 
 def test_one_process_is_not_wrapped() -> None:

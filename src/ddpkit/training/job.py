@@ -7,7 +7,7 @@ The built-in examples are jobs; so is a user's own job (`ddpkit train --job mod:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
 import torch
@@ -25,28 +25,22 @@ from ddpkit.training.trainer import Callback, OptimizerFactory, SchedulerFactory
 
 @dataclass
 class Job:
-    """The parts of a training job. Build the optimizer on the bare model's parameters.
+    """The parts of a training job: the arguments of `Trainer` but `ctx`, `config` and
+    `log_fn`, which the run supplies when it builds the Trainer. `Trainer` describes
+    each; build the optimizer on the bare model's parameters, as for a Trainer."""
 
-    How a batch becomes a loss (`loss_fn`, a model that returns its own loss, or
-    `training_step`) is described in `Trainer`.
-    """
-
+    # The same names, order and defaults as Trainer's parameters (a test holds them so).
     model: nn.Module
-    # An optimizer on the bare model's parameters, or a factory `params -> optimizer`
-    # (needed with strategy "fsdp", which replaces the parameters).
     optimizer: torch.optim.Optimizer | OptimizerFactory
     train_set: Dataset[Any]
-    # For (inputs, targets) batches; dict batches use the model's own loss.
     loss_fn: LossFn = nn.functional.cross_entropy
     eval_set: Dataset[Any] | None = None
     scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None
-    # A sampler that shards by itself (ranks may get unequal numbers of batches).
     train_sampler: Sampler[Any] | None = None
     callbacks: list[Callback] = field(default_factory=list)
-    # How samples become a batch, for training and evaluation (DataLoader's default if None).
     collate_fn: Callable[[list[Any]], Any] | None = None
-    training_step: StepFn | None = None  # training_step(model, batch) -> mean loss
-    metrics_fn: MetricsFn | None = None  # metrics_fn(model, batch) -> {name: batch mean}
+    training_step: StepFn | None = None
+    metrics_fn: MetricsFn | None = None
 
     def trainer(
         self,
@@ -60,22 +54,13 @@ class Job:
     ) -> Trainer:
         """A Trainer for this job. `callbacks` run after the job's own; `train_sampler`
         replaces the job's; `evaluate=False` leaves the eval set out."""
-        return Trainer(
-            self.model,
-            self.optimizer,
-            self.train_set,
-            ctx,
-            config,
-            loss_fn=self.loss_fn,
-            collate_fn=self.collate_fn,
-            training_step=self.training_step,
-            metrics_fn=self.metrics_fn,
-            eval_set=self.eval_set if evaluate else None,
-            scheduler=self.scheduler,
-            train_sampler=train_sampler if train_sampler is not None else self.train_sampler,
-            callbacks=[*self.callbacks, *callbacks],
-            log_fn=log_fn,
-        )
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        parts["callbacks"] = [*self.callbacks, *callbacks]
+        if train_sampler is not None:
+            parts["train_sampler"] = train_sampler
+        if not evaluate:
+            parts["eval_set"] = None
+        return Trainer(ctx=ctx, config=config, log_fn=log_fn, **parts)
 
 
 JobRef = BuildFn | str  # a build function, a built-in example's name, or MODULE:FUNCTION

@@ -174,13 +174,6 @@ class Trainer:
             `TrainConfig()` if None.
         loss_fn: `loss_fn(outputs, targets) -> mean loss` for `(inputs, targets)`
             batches (default: cross-entropy).
-        collate_fn: how samples become a batch, in training and evaluation
-            (DataLoader's default if None).
-        training_step: `training_step(model, batch) -> mean loss`, used instead of the
-            rules above, in training and in evaluation.
-        metrics_fn: `metrics_fn(model, batch) -> {name: mean over the batch}`, called in
-            evaluation; each is averaged over every sample of the eval set, all ranks
-            together, and reported as `eval_<name>`.
         eval_set: data evaluated after each epoch; every sample counts exactly once.
         scheduler: a learning-rate scheduler, stepped per epoch or per step
             (`config.scheduler_interval`); or a factory `optimizer -> scheduler`.
@@ -189,6 +182,13 @@ class Trainer:
             an IterableDataset); the ranks then agree on every step, so that none hangs
             and all stay identical.
         callbacks: `Callback` objects whose hooks run at fit, epoch and step events.
+        collate_fn: how samples become a batch, in training and evaluation
+            (DataLoader's default if None).
+        training_step: `training_step(model, batch) -> mean loss`, used instead of the
+            rules above, in training and in evaluation.
+        metrics_fn: `metrics_fn(model, batch) -> {name: mean over the batch}`, called in
+            evaluation; each is averaged over every sample of the eval set, all ranks
+            together, and reported as `eval_<name>`.
         log_fn: where rank 0's progress lines go (default: print).
     """
 
@@ -201,13 +201,13 @@ class Trainer:
         config: TrainConfig | None = None,
         *,
         loss_fn: LossFn = nn.functional.cross_entropy,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        training_step: StepFn | None = None,
-        metrics_fn: MetricsFn | None = None,
         eval_set: Dataset[Any] | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | SchedulerFactory | None = None,
         train_sampler: Sampler[Any] | None = None,
         callbacks: Sequence[Callback] = (),
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        training_step: StepFn | None = None,
+        metrics_fn: MetricsFn | None = None,
         log_fn: Callable[[str], None] | None = None,
     ) -> None:
         self.ctx = ctx
