@@ -32,7 +32,7 @@ import importlib
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
@@ -44,8 +44,8 @@ __all__ = ["CSV_FILES", "Logger", "check_installed", "end_status", "first_line",
 # The files "csv" writes, one per kind of record. RunLog keeps them with metrics.jsonl.
 CSV_FILES = {"step": "steps.csv", "epoch": "epochs.csv"}
 
-# The module each logger imports, and the extra of ddpkit that installs it.
-_MODULES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+# The trackers: each imports the package of its name, which ddpkit's extra of that name installs.
+_TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
 class Logger(Protocol):
@@ -64,8 +64,8 @@ def check_installed(names: Iterable[str]) -> None:
     """Import the package of each tracker in `names` now, so that one that is missing
     stops the run before it touches the run folder: ConfigError with the pip command."""
     for name in names:
-        if name in _MODULES:
-            _require(name, _MODULES[name])
+        if name in _TRACKERS:
+            _require(name, name)
         if name == "mlflow" and not os.environ.get("MLFLOW_TRACKING_URI"):
             # mlflow-skinny keeps a local store in SQLite through these two; its old
             # folder store (./mlruns) refuses to start unless told to in the environment.
@@ -76,8 +76,7 @@ def check_installed(names: Iterable[str]) -> None:
 def start_logger(name: str, folder: Path, config: Mapping[str, Any]) -> Logger:
     """The logger `name` (one of ddpkit.training.config.LOGGERS), started, writing into the run
     folder `folder`; `config` is the run's, for the trackers' params."""
-    logger: Logger = _START[name](folder, config)
-    return logger
+    return _START[name](folder, config)
 
 
 def end_status(error: BaseException | None) -> str:
@@ -126,7 +125,10 @@ class _CsvFile:
         if path.exists() and path.stat().st_size:  # a resumed run: go on below its header
             with path.open(newline="") as f:
                 self.columns = next(csv.reader(f), [])
-        self._file = path.open("a", newline="", buffering=1)  # line-buffered: readable live
+        self._append()
+
+    def _append(self) -> None:
+        self._file = self.path.open("a", newline="", buffering=1)  # line-buffered: readable live
         self._rows = csv.writer(self._file, lineterminator="\n")
 
     def write(self, row: Mapping[str, Any]) -> None:
@@ -152,8 +154,7 @@ class _CsvFile:
             out.writerow(self.columns)
             out.writerows(row + [""] * (len(self.columns) - len(row)) for row in rows)
         os.replace(spare, self.path)  # whole or not at all, should the disk fill up
-        self._file = self.path.open("a", newline="", buffering=1)
-        self._rows = csv.writer(self._file, lineterminator="\n")
+        self._append()
 
     def close(self) -> None:
         self._file.close()
@@ -206,10 +207,9 @@ class TensorBoardLogger:
 
 
 def _quiet_tensorboard_thread() -> None:
-    """tensorboard writes from a thread of its own; when a write fails (a full disk),
-    that thread prints a traceback, and the next add_scalar or close re-raises the error,
-    which RunLog reports in one line. Keep that line the only report: hide the thread's
-    traceback of an OSError (any other exception in any thread prints as before)."""
+    """Hide the traceback that tensorboard's writer thread prints when a write fails with an
+    OSError (a full disk): the next add_scalar or close re-raises it, and RunLog reports that
+    in one line. Any other exception in any thread prints as before."""
     previous = threading.excepthook
     if getattr(previous, "_ddpkit_quiet_tensorboard", False):
         return
@@ -321,9 +321,6 @@ def first_line(exc: BaseException) -> str:
 
 
 # One for each name of ddpkit.training.config.LOGGERS.
-_START: dict[str, Any] = {
-    "csv": CsvLogger,
-    "tensorboard": TensorBoardLogger,
-    "mlflow": MlflowLogger,
-    "wandb": WandbLogger,
+_START: dict[str, Callable[[Path, Mapping[str, Any]], Logger]] = {
+    cls.name: cls for cls in (CsvLogger, TensorBoardLogger, MlflowLogger, WandbLogger)
 }

@@ -44,41 +44,12 @@ log = logging.getLogger("ddpkit")
 
 METRICS_FILE = "metrics.jsonl"
 _KINDS = ("step", "epoch")
-# Numeric fields of an epoch line that are not eval metrics (eval_loss has its place in loss.png).
-_NOT_EVAL_METRICS = frozenset(
-    {
-        "kind",
-        "step",
-        "epoch",
-        "time",
-        "loss",
-        "lr",
-        "grad_norm",
-        "samples_per_s",
-        "samples",
-        "samples_seen",
-        "eval_loss",
-        "eval_samples",
-        "eval_time",
-        "train_time",
-        "world_size",
-        "nproc",
-    }
-)
 # The fields drawn besides the eval metrics (every other field of an epoch line).
-_PLOTTED = frozenset(
-    {
-        "step",
-        "epoch",
-        "time",
-        "samples_seen",
-        "loss",
-        "eval_loss",
-        "samples_per_s",
-        "lr",
-        "grad_norm",
-    }
-)
+_X_FIELDS = ("step", "epoch", "time", "samples_seen")  # epoch: eval.png's
+_PLOTTED = frozenset((*_X_FIELDS, "loss", "eval_loss", "samples_per_s", "lr", "grad_norm"))
+# Numeric fields of an epoch line that are not eval metrics (eval_loss has its place in loss.png).
+_BOOKKEEPING = ("kind", "samples", "eval_samples", "eval_time", "train_time", "world_size", "nproc")
+_NOT_EVAL_METRICS = _PLOTTED | frozenset(_BOOKKEEPING)
 # The x axes a chart can be drawn against (fields step, time and samples_seen: `_x_axis`).
 X_AXES = ("step", "time", "samples")
 # Larger numbers are not drawn: matplotlib's axis arithmetic overflows near 1e308.
@@ -100,33 +71,21 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 _MARKS_PER_LINE = 12
 # Markers on every point of the first run are this much bigger than those of the last run.
 _MARK_GROWTH = 0.6
+_Style = dict[str, Any]  # keywords of Axes.plot() and Line2D
 # The kinds of series differ in weight, the runs in colour, line style and marker:
 # step lines are many and noisy (thin, small markers), epoch means are few (big markers, no
 # line), eval lines are thick with hollow markers. Epoch and eval points are drawn on top.
-_STEP_LINE: dict[str, Any] = {"linewidth": 1.0, "alpha": 0.8, "markersize": 4}
-_EPOCH_MARKER: dict[str, Any] = {
-    "linestyle": "none",
-    "markersize": 8,
-    "markeredgecolor": "white",
-    "zorder": 3,
-}
-_EVAL_LINE: dict[str, Any] = {
-    "linewidth": 2.0,
-    "markersize": 6,
-    "markerfacecolor": "white",
-    "zorder": 3,
-}
+_STEP_LINE: _Style = dict(linewidth=1.0, alpha=0.8, markersize=4)
+_EPOCH_MARKER: _Style = dict(linestyle="none", markersize=8, markeredgecolor="white", zorder=3)
+_EVAL_LINE: _Style = dict(linewidth=2.0, markersize=6, markerfacecolor="white", zorder=3)
 # How each kind of series looks in the legend (grey, and with the first run's marker shape).
-_STEP_KEY: dict[str, Any] = {"linewidth": 1.0, "marker": "o", "markersize": 4}
-_EPOCH_KEY: dict[str, Any] = {"linestyle": "none", "marker": "o", "markersize": 8}
-_EVAL_KEY: dict[str, Any] = {
-    "linewidth": 2.0,
-    "marker": "o",
-    "markersize": 6,
-    "markerfacecolor": "white",
-}
+_STEP_KEY: _Style = dict(linewidth=1.0, marker="o", markersize=4)
+_EPOCH_KEY: _Style = dict(linestyle="none", marker="o", markersize=8)
+_EVAL_KEY: _Style = dict(linewidth=2.0, marker="o", markersize=6, markerfacecolor="white")
 # Lines of eval metrics, learning rate and gradient norm.
-_VALUE_LINE: dict[str, Any] = {"linewidth": 1.6, "markersize": 5}
+_VALUE_LINE: _Style = dict(linewidth=1.6, markersize=5)
+# How a run looks in the legend.
+_RUN_KEY: _Style = dict(linewidth=1.8, markersize=6)
 # Lines of up to this many points get a marker on every point (they are not dense).
 _ALL_MARKERS = 20
 # Above this many points a step line is a dense band: fainter, so what is on top stays visible.
@@ -141,6 +100,10 @@ class _RunStyle:
     mark_offset: float  # where the first sparse marker goes, as a fraction of their spacing
     mark_scale: float  # size of markers on every point: earlier runs' are bigger, so that
     # identical runs' markers (same x, same y) show as shapes one inside the other
+
+    def line(self, **kind: Any) -> _Style:
+        """plot() keywords of the run's colour, line style and marker, as changed by `kind`."""
+        return {"color": self.color, "linestyle": self.linestyle, "marker": self.marker, **kind}
 
 
 @dataclass(frozen=True)
@@ -184,7 +147,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
             f"run folder {folder} has no {METRICS_FILE}: {hint}, one JSON object per line"
         )
     records: list[dict[str, Any]] = []
-    bad: list[int] = []
+    bad: list[str] = []
     not_numbers: list[str] = []
     seen_any = False
     try:
@@ -197,35 +160,22 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 try:
                     obj = json.loads(text)
                 except ValueError:
-                    bad.append(lineno)
-                    continue
+                    obj = None
                 if not isinstance(obj, dict):
-                    bad.append(lineno)
+                    bad.append(str(lineno))
                 elif obj.get("kind") in _KINDS:
                     records.append(obj)
                     not_numbers += [f"line {lineno} {k!r}: {v}" for k, v in _not_numbers(obj)]
     except OSError as exc:
         raise ConfigError(f"cannot read {path} ({exc.strerror}): check its permissions") from None
-    if bad:
-        shown = ", ".join(str(n) for n in bad[:_SHOWN_BAD_LINES])
-        more = f" and {len(bad) - _SHOWN_BAD_LINES} more" if len(bad) > _SHOWN_BAD_LINES else ""
-        log.warning(
-            "skipped %d malformed line(s) of %s (line(s) %s%s): each line must be one JSON object",
-            len(bad),
-            path,
-            shown,
-            more,
-        )
-    if not_numbers:
-        hidden = len(not_numbers) - _SHOWN_BAD_LINES
-        log.warning(
-            "skipped %d value(s) of %s that are not numbers (%s%s): a metric must be a "
-            "number or null",
-            len(not_numbers),
-            path,
-            ", ".join(not_numbers[:_SHOWN_BAD_LINES]),
-            f" and {hidden} more" if hidden > 0 else "",
-        )
+    malformed = "malformed line(s) of %s (line(s) %s%s): each line must be one JSON object"
+    not_number = "value(s) of %s that are not numbers (%s%s): a metric must be a number or null"
+    for skipped, what in ((bad, malformed), (not_numbers, not_number)):
+        if skipped:
+            hidden = len(skipped) - _SHOWN_BAD_LINES
+            more = f" and {hidden} more" if hidden > 0 else ""
+            shown = ", ".join(skipped[:_SHOWN_BAD_LINES])
+            log.warning("skipped %d " + what, len(skipped), path, shown, more)
     if not records:
         what = "is empty" if not seen_any else "holds no 'step' or 'epoch' line"
         raise ConfigError(
@@ -296,9 +246,15 @@ def _load_runs(
         _Run(name, _continuous_time(read_metrics(d)), style)
         for name, d, style in zip(names, run_dirs, styles, strict=True)
     ]
-    if x == "samples":
-        for run_dir, run in zip(run_dirs, runs, strict=True):
-            _check_samples_seen(run_dir, run)
+    for run_dir, run in zip(run_dirs, runs, strict=True):
+        # A metrics.jsonl that another program wrote, or edited by hand: drawn by samples,
+        # that run would be missing without a word.
+        if x == "samples" and all(_number(r.get("samples_seen")) is None for r in run.records):
+            raise ConfigError(
+                f"{Path(run_dir) / METRICS_FILE} has no samples_seen in any line, so it cannot be "
+                "drawn by samples seen: plot that run with --x step or --x time, or rerun its "
+                "training with ddpkit, which logs samples_seen"
+            )
     return runs
 
 
@@ -307,11 +263,11 @@ def _charts(runs: Sequence[_Run], x: str) -> dict[str, Figure]:
     axis = _x_axis(runs, x)
     throughput_axes = [axis] if x == "time" else [axis, _x_axis(runs, "time")]
     charts = {
-        "loss.png": _loss_chart(runs, axis),
+        "loss.png": _line_chart(runs, axis, "Loss", _LOSS_SERIES, 5.5),
         "eval.png": _eval_chart(runs),
         "throughput.png": _throughput_chart(runs, throughput_axes),
-        "lr.png": _value_chart(runs, axis, "lr", "Learning rate", _KINDS),
-        "grad_norm.png": _value_chart(runs, axis, "grad_norm", "Gradient norm", ("step",)),
+        "lr.png": _line_chart(runs, axis, "Learning rate", _LR_SERIES, 4.5),
+        "grad_norm.png": _line_chart(runs, axis, "Gradient norm", _GRAD_NORM_SERIES, 4.5),
     }
     return {name: fig for name, fig in charts.items() if fig is not None}
 
@@ -430,19 +386,6 @@ def _run_styles(count: int) -> list[_RunStyle]:
     ]
 
 
-def _check_samples_seen(run_dir: str | os.PathLike[str], run: _Run) -> None:
-    """Raise `ConfigError` when no record of `run` has `samples_seen` (a metrics.jsonl that
-    another program wrote, or one edited by hand): drawn by samples, that run would be
-    missing without a word."""
-    if any(_number(record.get("samples_seen")) is not None for record in run.records):
-        return
-    raise ConfigError(
-        f"{Path(run_dir) / METRICS_FILE} has no samples_seen in any line, so it cannot be "
-        "drawn by samples seen: plot that run with --x step or --x time, or rerun its "
-        "training with ddpkit, which logs samples_seen"
-    )
-
-
 def _x_axis(runs: Sequence[_Run], x: str) -> _Axis:
     """The axis `x` ("step", "time" or "samples"); time in the unit that suits the runs."""
     if x == "samples":
@@ -485,19 +428,14 @@ def _title(base: str, runs: Sequence[_Run]) -> str:
     return f"{base} — {runs[0].label}" if len(runs) == 1 else base
 
 
-def _line(ax: Axes, series: Series, run: _Run, kind: dict[str, Any]) -> bool:
+def _line(ax: Axes, series: Series, run: _Run, kind: _Style) -> bool:
     """Plot one series of `run` in its colour, line style and marker, as changed by `kind`
     (e.g. _EPOCH_MARKER: no line); False when it has no point. Markers are sparse along long
     lines, at other points for each run so that identical runs' markers do not coincide."""
     xs, ys = series
     if not xs:
         return False
-    style: dict[str, Any] = {
-        "color": run.style.color,
-        "linestyle": run.style.linestyle,
-        "marker": run.style.marker,
-        **kind,
-    }
+    style = run.style.line(**kind)
     if len(xs) > _ALL_MARKERS and style["linestyle"] != "none":
         every = len(xs) // _MARKS_PER_LINE
         style["markevery"] = (int(run.style.mark_offset * every), every)
@@ -509,30 +447,13 @@ def _line(ax: Axes, series: Series, run: _Run, kind: dict[str, Any]) -> bool:
     return True
 
 
-def _run_keys(runs: Sequence[_Run]) -> list[tuple[str, dict[str, Any]]]:
+def _run_keys(runs: Sequence[_Run]) -> list[tuple[str, _Style]]:
     """Legend entries of the runs (none for a single run: the title names it)."""
-    if len(runs) < 2:
-        return []
-    return [(run.label, _run_key(run)) for run in runs]
-
-
-def _run_key(run: _Run) -> dict[str, Any]:
-    style = run.style
-    return {
-        "color": style.color,
-        "linestyle": style.linestyle,
-        "marker": style.marker,
-        "linewidth": 1.8,
-        "markersize": 6,
-    }
+    return [(run.label, run.style.line(**_RUN_KEY)) for run in runs] if len(runs) > 1 else []
 
 
 def _legends(
-    ax: Axes,
-    runs: Sequence[tuple[str, dict[str, Any]]],
-    kinds: dict[str, dict[str, Any]],
-    *,
-    title: str = "run",
+    ax: Axes, runs: Sequence[tuple[str, _Style]], kinds: dict[str, _Style], *, title: str = "run"
 ) -> None:
     """Legends right of the axes, where they never hide data: the runs (label and line style)
     on top and the kinds of series (in grey) at the bottom."""
@@ -606,51 +527,40 @@ def _log_y_if_wide(ax: Axes, values: Sequence[float]) -> None:
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
-# Name, kinds of records, field, style and legend key of each series of loss.png.
-_LOSS_SERIES: tuple[tuple[str, tuple[str, ...], str, dict[str, Any], dict[str, Any]], ...] = (
+# A series of a chart: its name in the legend of the kinds of series ("": none), the kinds of
+# records it is drawn from, their field, its style and its legend key.
+_SeriesSpec = tuple[str, tuple[str, ...], str, _Style, _Style]
+_LOSS_SERIES: tuple[_SeriesSpec, ...] = (
     ("train loss (step)", ("step",), "loss", _STEP_LINE, _STEP_KEY),
     ("train loss (epoch mean)", ("epoch",), "loss", _EPOCH_MARKER, _EPOCH_KEY),
     ("eval loss", _KINDS, "eval_loss", _EVAL_LINE, _EVAL_KEY),
 )
+_LR_SERIES: tuple[_SeriesSpec, ...] = (("", _KINDS, "lr", _VALUE_LINE, {}),)
+_GRAD_NORM_SERIES: tuple[_SeriesSpec, ...] = (("", ("step",), "grad_norm", _VALUE_LINE, {}),)
 
 
-def _loss_chart(runs: Sequence[_Run], axis: _Axis) -> Figure | None:
-    fig = _new_figure(9.5, 5.5)
-    ax = fig.add_subplot()
-    used: dict[str, dict[str, Any]] = {}
-    values: list[float] = []
-    for run in runs:
-        for name, kinds, field, kind, key in _LOSS_SERIES:
-            series = _along(run.records, kinds, axis, field)
-            if _line(ax, series, run, kind):
-                used[name] = key
-                values += series[1]
-    if not used:
-        return None
-    _log_y_if_wide(ax, values)
-    _format_x(ax, axis)
-    _style_axes(ax, _title("Loss", runs), axis.label, "loss")
-    _legends(ax, _run_keys(runs), used)
-    return fig
-
-
-def _value_chart(
-    runs: Sequence[_Run], axis: _Axis, field: str, title: str, kinds: Sequence[str]
+def _line_chart(
+    runs: Sequence[_Run], axis: _Axis, title: str, series: Sequence[_SeriesSpec], height: float
 ) -> Figure | None:
-    """One value of the records (`lr`, `grad_norm`) against `axis`; None when no run has it."""
-    fig = _new_figure(9.5, 4.5)
+    """The `series` of the runs against `axis`, the y axis named after the first one's field;
+    None when no run has any."""
+    fig = _new_figure(9.5, height)
     ax = fig.add_subplot()
+    used: dict[str, _Style] = {}
     values: list[float] = []
     for run in runs:
-        series = _along(run.records, kinds, axis, field)
-        if _line(ax, series, run, _VALUE_LINE):
-            values += series[1]
+        for name, kinds, field, kind, key in series:
+            points = _along(run.records, kinds, axis, field)
+            if _line(ax, points, run, kind):
+                values += points[1]
+                if name:
+                    used[name] = key
     if not values:
         return None
     _log_y_if_wide(ax, values)
     _format_x(ax, axis)
-    _style_axes(ax, _title(title, runs), axis.label, field)
-    _legends(ax, _run_keys(runs), {})
+    _style_axes(ax, _title(title, runs), axis.label, series[0][2])
+    _legends(ax, _run_keys(runs), used)
     return fig
 
 
@@ -664,12 +574,13 @@ def _eval_chart(runs: Sequence[_Run]) -> Figure | None:
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
     for i, (ax, metric) in enumerate(zip(axes, metrics, strict=True)):
         values: list[float] = []
-        shown: list[tuple[str, dict[str, Any]]] = []
+        shown: list[tuple[str, _Style]] = []
         for run in runs:
             series = _series(run.records, ("epoch",), "epoch", metric)
             if _line(ax, series, run, _VALUE_LINE):
                 values += series[1]
-                shown.append((f"{run.label}: {_format(metric, series[1][-1])}", _run_key(run)))
+                last = f"{run.label}: {_format(metric, series[1][-1])}"
+                shown.append((last, run.style.line(**_RUN_KEY)))
         if "acc" in metric.lower() and values and all(0 <= v <= 1 for v in values):
             ax.yaxis.set_major_formatter(PercentFormatter(xmax=1))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -693,16 +604,11 @@ def _time_unit(seconds: float) -> tuple[str, float]:
     return "seconds", 1.0
 
 
-# Name, kinds of records, style and legend key of each series of throughput.png.
-_THROUGHPUT_SERIES: tuple[tuple[str, tuple[str, ...], dict[str, Any], dict[str, Any]], ...] = (
-    ("samples/s (step)", ("step",), _STEP_LINE, _STEP_KEY),
-    ("samples/s (epoch mean)", ("epoch",), _EPOCH_MARKER, _EPOCH_KEY),
+_THROUGHPUT_SERIES: tuple[_SeriesSpec, ...] = (
+    ("samples/s (step)", ("step",), "samples_per_s", _STEP_LINE, _STEP_KEY),
+    ("samples/s (epoch mean)", ("epoch",), "samples_per_s", _EPOCH_MARKER, _EPOCH_KEY),
 )
-_PANEL_TITLES = {
-    "step": "by optimizer step",
-    "time": "by elapsed time",
-    "samples": "by samples seen",
-}
+_PANEL_TITLES = dict(step="by optimizer step", time="by elapsed time", samples="by samples seen")
 
 
 def _throughput_chart(runs: Sequence[_Run], axes: Sequence[_Axis]) -> Figure | None:
@@ -711,11 +617,11 @@ def _throughput_chart(runs: Sequence[_Run], axes: Sequence[_Axis]) -> Figure | N
 
     fig = _new_figure(1.0 + 6.0 * len(axes), 5.0)
     panels = fig.subplots(1, len(axes), sharey=True, squeeze=False)[0]
-    used: dict[str, dict[str, Any]] = {}
+    used: dict[str, _Style] = {}
     for ax, axis in zip(panels, axes, strict=True):
         for run in runs:
-            for name, kinds, kind, key in _THROUGHPUT_SERIES:
-                series = _along(run.records, kinds, axis, "samples_per_s")
+            for name, kinds, field, kind, key in _THROUGHPUT_SERIES:
+                series = _along(run.records, kinds, axis, field)
                 if _line(ax, series, run, kind):
                     used[name] = key
     if not used:
@@ -726,13 +632,9 @@ def _throughput_chart(runs: Sequence[_Run], axes: Sequence[_Axis]) -> Figure | N
         _format_x(ax, axis)
         _style_axes(ax, _PANEL_TITLES[axis.name], axis.label, "" if i else "samples / s")
         ax.tick_params(labelleft=True)
-        if not ax.lines:
-            _say(ax, f"no '{axis.field}' field in the runs' {METRICS_FILE}")
+        if not ax.lines:  # say so in grey in the middle of the empty panel
+            text = f"no '{axis.field}' field in the runs' {METRICS_FILE}"
+            ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")
     _legends(panels[-1], _run_keys(runs), used)
     fig.suptitle(_title("Throughput", runs))
     return fig
-
-
-def _say(ax: Axes, text: str) -> None:
-    """`text` in grey in the middle of an empty panel."""
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="0.4")

@@ -114,11 +114,8 @@ class RunLog:
     def write(self, kind: str, step: int, values: dict[str, float | int | None]) -> None:
         if self._file is None:
             return
-        record: dict[str, Any] = {
-            "kind": kind,
-            "step": step,
-            "time": round(time.perf_counter() - self.start, 3),
-        }
+        now = round(time.perf_counter() - self.start, 3)
+        record: dict[str, Any] = {"kind": kind, "step": step, "time": now}
         for key, value in values.items():
             record[key] = None if isinstance(value, float) and not math.isfinite(value) else value
         try:
