@@ -19,7 +19,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,7 +42,9 @@ from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.launcher import serve_store, threads_per_rank  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
+    Hang,
     HangJudge,
+    HangWatch,
     blame_key,
     left_early,
     read_reports,
@@ -233,43 +234,20 @@ _HANG_STOPPED = (
 _HANG_KILL_DELAY_S = 1.0
 
 
-class _HangWatch(threading.Thread):
-    """Polls the workers' reports; prints notices; on a hang, says where each rank is,
-    stops the agent and kills the workers."""
-
-    def __init__(
-        self, reports: Callable[[], dict[int, dict[str, Any]]], timeout_s: float, world: int
-    ) -> None:
-        super().__init__(name="ddpkit-hang-watch", daemon=True)
-        self.reports, self.judge = reports, HangJudge(timeout_s, world)
-        self.world = world
-        self.hang: Any = None
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        while not self.done.wait(1.0):
-            with contextlib.suppress(Exception):  # an unreadable report is no verdict
-                hang, notice = self.judge.judge(self.reports())
-                if notice:
-                    print(notice, file=sys.stderr, flush=True)
-                if hang is not None:
-                    self._stop(hang)
-                    return
-
-    def _stop(self, hang: Any) -> None:
-        self.hang = hang
-        # Said now: the stop below may take a moment, and the reports go with it.
-        print(f"{hang.summary(self.world)}\n\n{hang.stacks()}\n", file=sys.stderr, flush=True)
-        # The agent turns SIGTERM into SignalException in its main thread and stops
-        # every worker on its way out, with SIGTERM and 30 s of grace. A rank blocked in
-        # a collective runs no Python handler until the call returns (a script that
-        # saves on SIGTERM would hold the job those 30 s), and a hung job cannot save:
-        # its workers (on this node) and their children are killed.
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(_HANG_KILL_DELAY_S)
-        for pid in descendants(os.getpid()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+def _stop_hung_job(hang: Hang, world: int) -> None:
+    """Say where each rank is, stop the agent and kill the workers of this node."""
+    # Said now: the stop below may take a moment, and the reports go with it.
+    print(f"{hang.summary(world)}\n\n{hang.stacks()}\n", file=sys.stderr, flush=True)
+    # The agent turns SIGTERM into SignalException in its main thread and stops every
+    # worker on its way out, with SIGTERM and 30 s of grace. A rank blocked in a
+    # collective runs no Python handler until the call returns (a script that saves on
+    # SIGTERM would hold the job those 30 s), and a hung job cannot save: its workers
+    # (on this node) and their children are killed.
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(_HANG_KILL_DELAY_S)
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _file_reports(status: Path) -> dict[int, dict[str, Any]]:
@@ -289,8 +267,10 @@ def _supervise(
     from torch.distributed.run import run as torchrun
 
     parsed = parse_args(torchrun_args)  # type: ignore[no-untyped-call]
-    watch = _HangWatch(reports, hang_timeout, world_size) if hang_timeout > 0 else None
-    if watch:
+    watch = None
+    if hang_timeout > 0:
+        on_hang = functools.partial(_stop_hung_job, world=world_size)
+        watch = HangWatch(reports, HangJudge(hang_timeout, world_size), on_hang)
         watch.start()
 
     # torchrun's agent passes SIGTERM, SIGINT and SIGHUP on to its workers; SIGUSR1
@@ -336,7 +316,7 @@ def _supervise(
     finally:
         signal.signal(signal.SIGUSR1, previous)
         if watch:
-            watch.done.set()
+            watch.stop()
 
 
 # Said after a clean run in which no rank started a process group.

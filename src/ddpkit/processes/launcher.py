@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import io
 import logging
 import multiprocessing
@@ -53,6 +54,7 @@ from ddpkit.processes.preemption import (
 )
 from ddpkit.processes.report import (
     HangJudge,
+    HangWatch,
     blame_key,
     left_early,
     read_reports,
@@ -564,6 +566,7 @@ def _spawn(
     quiet_fork = cfg.start == "auto" and method == "fork"
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
+    watch: HangWatch | None = None
     forwarder = SignalForwarder(
         lambda: [p.pid for p in procs.values() if p.pid is not None and p.is_alive()],
         cfg.signal_grace,
@@ -593,9 +596,15 @@ def _spawn(
             procs[rank], conns[rank] = proc, recv
         if listener is not None:
             store, listener = serve_store(world_size=n, listener=listener), None
-        judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
-        return cast(T, _supervise(procs, conns, status, judge, forwarder, nccl=bool(traces)))
+        if status is not None:
+            # Started after the forks, like the store: a fork must happen with no thread.
+            judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
+            watch = HangWatch(functools.partial(read_reports, status), judge, lambda h: None)
+            watch.start()
+        return cast(T, _supervise(procs, conns, watch, forwarder, nccl=bool(traces)))
     finally:
+        if watch is not None:
+            watch.stop()
         restore_handlers(handlers)
         _stop(procs.values())
         for conn in conns.values():
@@ -731,8 +740,7 @@ def _blame_key(failure: tuple[float, WorkerError]) -> tuple[int, float]:
 def _supervise(
     procs: dict[int, BaseProcess],
     conns: dict[int, Connection],
-    status: Path | None,
-    judge: HangJudge,
+    watch: HangWatch | None,
     forwarder: SignalForwarder,
     *,
     nccl: bool = False,
@@ -806,12 +814,10 @@ def _supervise(
             settle_until = time.monotonic() + _SETTLE_S
         if all_done_at is None and len(results) == len(procs):
             all_done_at = time.monotonic()
-        if status is not None and not failures and not forwarder.signum:
-            hang, notice = judge.judge(read_reports(status))
-            if notice:
-                print(notice, file=sys.stderr, flush=True)
-            if hang is not None:
-                raise HangError(hang.summary(len(procs)), hang.stacks())
+        if watch is not None and (failures or forwarder.signum):
+            watch.stop()  # the job ends for another reason: no hang to find
+        elif watch is not None and watch.hang is not None:
+            raise HangError(watch.hang.summary(len(procs)), watch.hang.stacks())
     if preempted:
         raise preempted[min(preempted)]
     if forwarder.signum and len(results) < len(procs):

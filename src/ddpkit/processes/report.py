@@ -3,9 +3,13 @@ whether the job is hung, and say which rank failed or where each one is stuck.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -342,6 +346,42 @@ class HangJudge:
                 "notice is printed"
             )
         return head + tail
+
+
+class HangWatch(threading.Thread):
+    """The one hang watch of `launch` and `ddpkit run`: once a second, it has `judge`
+    read `reports()`, prints its notices, and on a hang keeps it in `hang`, calls
+    `on_hang(hang)` once and stops. `stop()` ends the watch for good (the job ends for
+    another reason: a rank failed, or a signal came)."""
+
+    def __init__(
+        self,
+        reports: Callable[[], dict[int, dict[str, Any]]],
+        judge: HangJudge,
+        on_hang: Callable[[Hang], None],
+    ) -> None:
+        super().__init__(name="ddpkit-hang-watch", daemon=True)
+        self.reports, self.judge, self.on_hang = reports, judge, on_hang
+        self.hang: Hang | None = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(1.0):
+            verdict: tuple[Hang | None, str | None] = (None, None)
+            with contextlib.suppress(Exception):  # an unreadable report is no verdict
+                verdict = self.judge.judge(self.reports())
+            hang, notice = verdict
+            if self._done.is_set():
+                return
+            if notice:
+                print(notice, file=sys.stderr, flush=True)
+            if hang is not None:
+                self.hang = hang
+                self.on_hang(hang)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def _doing(status: dict[str, Any], kind: str) -> str:
