@@ -17,12 +17,10 @@ from ddpkit.check.callgraph import CallGraph, Context, Unit
 from ddpkit.check.index import Guard, Index, Scope, Site, build_index
 from ddpkit.check.linking import Link
 from ddpkit.check.names import tail
-from ddpkit.check.ranks import RankModel
+from ddpkit.check.ranks import SPAWNERS, RankModel
 
 DISTRIBUTED = "torch.distributed"
 DDP_CLASS = "DistributedDataParallel"
-# torch.multiprocessing.spawn / start_processes start one process per rank.
-_SPAWNERS = ("spawn", "start_processes")
 
 
 def _is_main_block(test: ast.expr) -> bool:
@@ -180,7 +178,7 @@ class FileAnalysis:
         if self.callgraph.context(site.scope) is not Context.GUARDED:
             return None
         witness = self.callgraph.witness(site.scope)
-        if witness is None or witness.ref is None:
+        if witness is None:
             return RankOnly(None, site.scope, getattr(site.scope.node, "lineno", 1))
         line = witness.guard.test.lineno if witness.guard is not None else witness.ref.line
         return RankOnly(witness.guard, site.scope, line)
@@ -188,7 +186,7 @@ class FileAnalysis:
     @cached_property
     def launcher_scopes(self) -> set[Scope]:
         """Scopes that start the ranks with `mp.spawn(...)`."""
-        return {site.scope for site in self.calls(*_SPAWNERS)}
+        return {site.scope for site in self.calls(*SPAWNERS)}
 
     def in_launcher(self, site: Site) -> bool:
         """Code of the parent process that spawns the ranks: it is not a rank itself."""

@@ -38,15 +38,6 @@ class Context(Enum):
     UNKNOWN = "unknown"
 
 
-@dataclass(frozen=True)
-class Witness:
-    """Why a function is GUARDED: a guarded mention of it, or a decorator."""
-
-    ref: Ref | None
-    guard: Guard | None
-    via: Scope | None  # set when the mention sits inside another GUARDED function
-
-
 @dataclass(eq=False)
 class Unit:
     """One checked file as the call graph sees it."""
@@ -57,7 +48,9 @@ class Unit:
 
 
 @dataclass(frozen=True, slots=True)
-class _Edge:
+class Edge:
+    """A mention of a function: where it sits, under which rank guard."""
+
     ref: Ref
     owner: Scope | None  # the function the mention sits in (None at module level)
     guard: Guard | None
@@ -73,7 +66,6 @@ class CallGraph:
         self._units = list(units)
         self._functions_named: dict[int, dict[str, list[Scope]]] = {}
         self._methods_named: dict[int, dict[str, list[Scope]]] = {}
-        self._unit_of: dict[int, Unit] = {}
         for unit in self._units:
             named: dict[str, list[Scope]] = {}
             for fn in unit.index.functions:
@@ -88,7 +80,7 @@ class CallGraph:
         self._types: dict[tuple[Scope, str], _Class] = {}
         for unit in self._units:
             self._instance_types(unit)
-        self._incoming: dict[Scope, list[_Edge]] = {
+        self._incoming: dict[Scope, list[Edge]] = {
             fn: [] for unit in self._units for fn in unit.index.functions
         }
         for unit in self._units:
@@ -97,11 +89,11 @@ class CallGraph:
                 if not targets:
                     continue
                 owner = None if ref.scope.is_module else ref.scope
-                edge = _Edge(ref, owner, unit.ranks.rank_guard(ref.guards, ref.scope), exact)
+                edge = Edge(ref, owner, unit.ranks.rank_guard(ref.guards, ref.scope), exact)
                 for target in targets:
                     self._incoming[target].append(edge)
         self._context: dict[Scope, Context] = {}
-        self._witness: dict[Scope, Witness] = {}
+        self._witness: dict[Scope, Edge] = {}
         self._solve()
 
     # -- resolution -------------------------------------------------------------------
@@ -109,18 +101,13 @@ class CallGraph:
     def _linked(self, unit: Unit, name: str) -> tuple[Unit, str | None] | None:
         """The file (and member) a local name is imported from, through re-exports."""
         link = unit.links.get(name)
-        hops = 0
-        while link is not None:
-            target = self._units[link.target]
-            if link.member is None:
-                return target, None
-            member: str = link.member
-            index = target.index
-            if member in index.classes or member in self._functions_named[id(target)]:
-                return target, member
-            hops += 1
-            if hops > _MAX_HOPS:
+        for _ in range(_MAX_HOPS + 1):
+            if link is None:
                 return None
+            target, member = self._units[link.target], link.member
+            functions = self._functions_named[id(target)]
+            if member is None or member in target.index.classes or member in functions:
+                return target, member
             link = target.links.get(member)
         return None
 
@@ -218,7 +205,7 @@ class CallGraph:
             return self._members(module, name), True
         cls: _Class | None = None
         if isinstance(receiver, ast.Name):
-            if index.imports.is_module_alias(receiver.id):
+            if receiver.id in index.imports.aliases:
                 return [], True  # torch.save, os.path.join: a library, not this program
             if receiver.id in ("self", "cls") and ref.scope.class_name:
                 own_cls = self._class_named(unit, ref.scope.class_name)
@@ -282,23 +269,11 @@ class CallGraph:
                 self._context[fn] = Context.ALL
             elif fn in guarded:
                 self._context[fn] = Context.GUARDED
-                self._witness[fn] = self._find_witness(fn, guarded_roots)
+                edges = [e for e in incoming[fn] if e.owner is not fn]
+                if fn not in guarded_roots and edges:
+                    self._witness[fn] = next((e for e in edges if e.guard is not None), edges[0])
             else:
                 self._context[fn] = Context.UNKNOWN
-
-    def _find_witness(self, fn: Scope, roots: set[Scope]) -> Witness:
-        if fn in roots:
-            return Witness(None, None, None)
-        via: _Edge | None = None
-        for edge in self._incoming[fn]:
-            if edge.owner is fn:
-                continue
-            if edge.guard is not None:
-                return Witness(edge.ref, edge.guard, None)
-            via = via or edge
-        if via is None:
-            return Witness(None, None, None)
-        return Witness(via.ref, None, via.owner)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -308,7 +283,9 @@ class CallGraph:
             return Context.ALL
         return self._context.get(scope, Context.UNKNOWN)
 
-    def witness(self, scope: Scope) -> Witness | None:
+    def witness(self, scope: Scope) -> Edge | None:
+        """Why `scope` is GUARDED: a rank-guarded mention, else one in a GUARDED function
+        (None when a decorator says so)."""
         return self._witness.get(scope)
 
     def is_mentioned(self, fn: Scope) -> bool:
@@ -331,12 +308,9 @@ class CallGraph:
         while changed:
             changed = False
             for fn, edges in self._incoming.items():
-                if fn in in_loop:
-                    continue
-                for edge in edges:
-                    owner = edge.owner
-                    if edge.ref.loop_depth > 0 or (owner is not None and owner in in_loop):
-                        in_loop.add(fn)
-                        changed = True
-                        break
+                if fn not in in_loop and any(
+                    e.ref.loop_depth > 0 or e.owner in in_loop for e in edges
+                ):
+                    in_loop.add(fn)
+                    changed = True
         return in_loop

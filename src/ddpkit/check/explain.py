@@ -3,182 +3,156 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from inspect import cleandoc
 
 from ddpkit.check.model import UNREADABLE
 from ddpkit.check.rules import RULES_BY_CODE
 
 
-@dataclass(frozen=True)
+@dataclass
 class Explanation:
     why: str
     wrong: str
     right: str
 
+    def __post_init__(self) -> None:
+        # The texts below are indented like the code around them: store them flush left.
+        self.why, self.wrong, self.right = map(cleandoc, (self.why, self.wrong, self.right))
+
 
 EXPLANATIONS: dict[str, Explanation] = {
     "DDP101": Explanation(
-        why=(
-            "DistributedSampler shuffles with a seed made from `seed + epoch`. The epoch\n"
-            "stays 0 unless you call `set_epoch`, so every epoch visits the samples in\n"
-            "the same order, which quietly hurts convergence."
-        ),
-        wrong=(
-            "loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))\n"
-            "for epoch in range(epochs):\n"
-            "    for x, y in loader:\n"
-            "        step(x, y)"
-        ),
-        right=(
-            "loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))\n"
-            "for epoch in range(epochs):\n"
-            "    loader.sampler.set_epoch(epoch)\n"
-            "    for x, y in loader:\n"
-            "        step(x, y)"
-        ),
+        why="""DistributedSampler shuffles with a seed made from `seed + epoch`. The epoch
+            stays 0 unless you call `set_epoch`, so every epoch visits the samples in
+            the same order, which quietly hurts convergence.""",
+        wrong="""
+            loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))
+            for epoch in range(epochs):
+                for x, y in loader:
+                    step(x, y)""",
+        right="""
+            loader = DataLoader(ds, batch_size=32, sampler=DistributedSampler(ds))
+            for epoch in range(epochs):
+                loader.sampler.set_epoch(epoch)
+                for x, y in loader:
+                    step(x, y)""",
     ),
     "DDP102": Explanation(
-        why=(
-            "A sampler decides the order of the samples, so DataLoader refuses\n"
-            "`shuffle=True` together with `sampler=` (or `batch_sampler=`) and raises\n"
-            "ValueError when the job starts. DistributedSampler shuffles by itself."
-        ),
+        why="""A sampler decides the order of the samples, so DataLoader refuses
+            `shuffle=True` together with `sampler=` (or `batch_sampler=`) and raises
+            ValueError when the job starts. DistributedSampler shuffles by itself.""",
         wrong="DataLoader(ds, batch_size=32, shuffle=True, sampler=DistributedSampler(ds))",
         right="DataLoader(ds, batch_size=32, shuffle=False, sampler=DistributedSampler(ds))",
     ),
     "DDP103": Explanation(
-        why=(
-            "Every rank runs the same script. A `torch.save` that is not behind a rank-0\n"
-            "check is run by all of them, and they write the same file at the same time:\n"
-            "wasted I/O at best, a torn checkpoint at worst. The model is identical on\n"
-            "all ranks, so rank 0 alone should write it. (A file per rank, named with\n"
-            "the rank, is fine and not reported.)"
-        ),
-        wrong=(
-            "for epoch in range(epochs):\n"
-            "    train_one_epoch()\n"
-            '    torch.save(model.module.state_dict(), "ckpt.pt")'
-        ),
-        right=(
-            "for epoch in range(epochs):\n"
-            "    train_one_epoch()\n"
-            "    if rank == 0:\n"
-            '        torch.save(model.module.state_dict(), "ckpt.pt")\n'
-            "    dist.barrier()  # on every rank, if others read the file next"
-        ),
+        why="""Every rank runs the same script. A `torch.save` that is not behind a rank-0
+            check is run by all of them, and they write the same file at the same time:
+            wasted I/O at best, a torn checkpoint at worst. The model is identical on
+            all ranks, so rank 0 alone should write it. (A file per rank, named with
+            the rank, is fine and not reported.)""",
+        wrong="""
+            for epoch in range(epochs):
+                train_one_epoch()
+                torch.save(model.module.state_dict(), "ckpt.pt")""",
+        right="""
+            for epoch in range(epochs):
+                train_one_epoch()
+                if rank == 0:
+                    torch.save(model.module.state_dict(), "ckpt.pt")
+                dist.barrier()  # on every rank, if others read the file next""",
     ),
     "DDP104": Explanation(
-        why=(
-            "DistributedDataParallel keeps your model as its `.module`, so the wrapper's\n"
-            "state_dict() names every parameter `module.<name>`. Such a checkpoint does\n"
-            "not load into the plain model (for evaluation, or a single-GPU run) without\n"
-            "renaming the keys. Save the inner model's state_dict instead."
-        ),
-        wrong=(
-            'model = DDP(model, device_ids=[rank])\n...\ntorch.save(model.state_dict(), "ckpt.pt")'
-        ),
-        right=(
-            "model = DDP(model, device_ids=[rank])\n"
-            "...\n"
-            'torch.save(model.module.state_dict(), "ckpt.pt")'
-        ),
+        why="""DistributedDataParallel keeps your model as its `.module`, so the wrapper's
+            state_dict() names every parameter `module.<name>`. Such a checkpoint does
+            not load into the plain model (for evaluation, or a single-GPU run) without
+            renaming the keys. Save the inner model's state_dict instead.""",
+        wrong="""
+            model = DDP(model, device_ids=[rank])
+            ...
+            torch.save(model.state_dict(), "ckpt.pt")""",
+        right="""
+            model = DDP(model, device_ids=[rank])
+            ...
+            torch.save(model.module.state_dict(), "ckpt.pt")""",
     ),
     "DDP105": Explanation(
-        why=(
-            "Under DDP each rank sees only its share of the batch, and plain BatchNorm\n"
-            "normalises with that small share's statistics; running stats then differ\n"
-            "between ranks. SyncBatchNorm computes them over the whole global batch.\n"
-            "(The DDP tutorial's note: replace every BatchNorm with SyncBatchNorm.)"
-        ),
-        wrong="model = ResNetWithBatchNorm().to(rank)\nmodel = DDP(model, device_ids=[rank])",
-        right=(
-            "model = ResNetWithBatchNorm()\n"
-            "model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).to(rank)\n"
-            "model = DDP(model, device_ids=[rank])"
-        ),
+        why="""Under DDP each rank sees only its share of the batch, and plain BatchNorm
+            normalises with that small share's statistics; running stats then differ
+            between ranks. SyncBatchNorm computes them over the whole global batch.
+            (The DDP tutorial's note: replace every BatchNorm with SyncBatchNorm.)""",
+        wrong="""
+            model = ResNetWithBatchNorm().to(rank)
+            model = DDP(model, device_ids=[rank])""",
+        right="""
+            model = ResNetWithBatchNorm()
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model).to(rank)
+            model = DDP(model, device_ids=[rank])""",
     ),
     "DDP106": Explanation(
-        why=(
-            "A collective (all_reduce, barrier, broadcast, gather, ...) returns only when\n"
-            "every rank of the group has called it. Behind a rank check, rank 0 calls it\n"
-            "and the other ranks never do, so the job hangs until the timeout (the DDP\n"
-            "tutorial's warning). This includes a collective inside a helper that is itself only\n"
-            "called on rank 0."
-        ),
-        wrong=(
-            "if rank == 0:\n"
-            "    dist.all_reduce(loss)          # ranks 1..N-1 never arrive\n"
-            "    print(loss.item() / world_size)"
-        ),
-        right=(
-            "dist.all_reduce(loss)              # every rank\n"
-            "if rank == 0:\n"
-            "    print(loss.item() / world_size)  # only the printing is rank-0 work"
-        ),
+        why="""A collective (all_reduce, barrier, broadcast, gather, ...) returns only when
+            every rank of the group has called it. Behind a rank check, rank 0 calls it
+            and the other ranks never do, so the job hangs until the timeout (the DDP
+            tutorial's warning). This includes a collective inside a helper that is itself only
+            called on rank 0.""",
+        wrong="""
+            if rank == 0:
+                dist.all_reduce(loss)          # ranks 1..N-1 never arrive
+                print(loss.item() / world_size)""",
+        right="""
+            dist.all_reduce(loss)              # every rank
+            if rank == 0:
+                print(loss.item() / world_size)  # only the printing is rank-0 work""",
     ),
     "DDP107": Explanation(
-        why=(
-            "torch.load restores each tensor onto the device it was saved from, which is\n"
-            "usually cuda:0. Without map_location every rank loads the whole checkpoint\n"
-            "onto GPU 0, which wastes its memory or runs it out."
-        ),
+        why="""torch.load restores each tensor onto the device it was saved from, which is
+            usually cuda:0. Without map_location every rank loads the whole checkpoint
+            onto GPU 0, which wastes its memory or runs it out.""",
         wrong='state = torch.load("ckpt.pt")',
         right='state = torch.load("ckpt.pt", map_location=f"cuda:{local_rank}")  # or "cpu"',
     ),
     "DDP108": Explanation(
-        why=(
-            "With weights_only=False, torch.load unpickles the file, and a pickle can run\n"
-            "any code when loaded. A checkpoint from a shared folder or the internet then\n"
-            "runs code on every rank of your job. The default weights_only=True loads\n"
-            "tensors, numbers, strings and containers, which is all a checkpoint needs."
-        ),
+        why="""With weights_only=False, torch.load unpickles the file, and a pickle can run
+            any code when loaded. A checkpoint from a shared folder or the internet then
+            runs code on every rank of your job. The default weights_only=True loads
+            tensors, numbers, strings and containers, which is all a checkpoint needs.""",
         wrong='state = torch.load("ckpt.pt", map_location="cpu", weights_only=False)',
         right='state = torch.load("ckpt.pt", map_location="cpu", weights_only=True)',
     ),
     "DDP109": Explanation(
-        why=(
-            "nccl uses the current CUDA device of each process. Unless every process\n"
-            "selects its own GPU, all of them use GPU 0: out of memory, or an nccl error\n"
-            "about duplicate GPUs. Select the device before creating the group."
-        ),
+        why="""nccl uses the current CUDA device of each process. Unless every process
+            selects its own GPU, all of them use GPU 0: out of memory, or an nccl error
+            about duplicate GPUs. Select the device before creating the group.""",
         wrong='dist.init_process_group("nccl", rank=rank, world_size=world_size)',
-        right=(
-            "torch.cuda.set_device(local_rank)\n"
-            'dist.init_process_group("nccl", rank=rank, world_size=world_size)'
-        ),
+        right="""
+            torch.cuda.set_device(local_rank)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size)""",
     ),
     "DDP110": Explanation(
-        why=(
-            "The rendezvous port is bound by rank 0. A fixed port (the tutorial's 12355)\n"
-            "works until a second job runs on the same machine, which then fails with\n"
-            "'address already in use'. Let a launcher pick a free port. Severity: info."
-        ),
+        why="""The rendezvous port is bound by rank 0. A fixed port (the tutorial's 12355)
+            works until a second job runs on the same machine, which then fails with
+            'address already in use'. Let a launcher pick a free port. Severity: info.""",
         wrong='os.environ["MASTER_PORT"] = "12355"',
-        right=(
-            "# launched with `torchrun --standalone --nproc-per-node=gpu train.py`,\n"
-            "# which sets MASTER_ADDR/MASTER_PORT to a free port\n"
-            'dist.init_process_group(backend="nccl")'
-        ),
+        right="""
+            # launched with `torchrun --standalone --nproc-per-node=gpu train.py`,
+            # which sets MASTER_ADDR/MASTER_PORT to a free port
+            dist.init_process_group(backend="nccl")""",
     ),
     "DDP111": Explanation(
-        why=(
-            "A process group holds sockets, threads and GPU communicators. Without\n"
-            "destroy_process_group() on the way out, the job can hang or warn at exit\n"
-            "and a relaunch in the same process fails. Destroy it in `finally` so that\n"
-            "errors clean up too."
-        ),
-        wrong=(
-            "def main(rank, world_size):\n"
-            '    dist.init_process_group("gloo", rank=rank, world_size=world_size)\n'
-            "    train()"
-        ),
-        right=(
-            "def main(rank, world_size):\n"
-            '    dist.init_process_group("gloo", rank=rank, world_size=world_size)\n'
-            "    try:\n"
-            "        train()\n"
-            "    finally:\n"
-            "        dist.destroy_process_group()"
-        ),
+        why="""A process group holds sockets, threads and GPU communicators. Without
+            destroy_process_group() on the way out, the job can hang or warn at exit
+            and a relaunch in the same process fails. Destroy it in `finally` so that
+            errors clean up too.""",
+        wrong="""
+            def main(rank, world_size):
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+                train()""",
+        right="""
+            def main(rank, world_size):
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+                try:
+                    train()
+                finally:
+                    dist.destroy_process_group()""",
     ),
 }
 

@@ -60,7 +60,6 @@ class Site:
     scope: Scope
     guards: tuple[Guard, ...]
     loop_depth: int
-    in_except: bool
 
     @property
     def call(self) -> ast.Call:
@@ -81,10 +80,6 @@ class Ref(Site):
     call_expr: ast.Call | None = None
     # For `x.name`: the expression before the dot.
     receiver: ast.expr | None = None
-
-    @property
-    def is_call(self) -> bool:
-        return self.call_expr is not None
 
 
 @dataclass(eq=False, slots=True)
@@ -108,15 +103,15 @@ class Index:
     tree: ast.Module
     imports: Imports
     module: Scope
-    functions: list[Scope]
-    classes: dict[str, ClassInfo]
-    calls: list[Site]
-    refs: list[Ref]
-    loops: list[Site]
-    assignments: list[Assignment]
+    functions: list[Scope] = field(default_factory=list)
+    classes: dict[str, ClassInfo] = field(default_factory=dict)
+    calls: list[Site] = field(default_factory=list)
+    refs: list[Ref] = field(default_factory=list)
+    loops: list[Site] = field(default_factory=list)
+    assignments: list[Assignment] = field(default_factory=list)
     # Names and attribute names read anywhere outside / inside `except` handlers.
-    seen: set[str]
-    seen_in_except: set[str]
+    seen: set[str] = field(default_factory=set)
+    seen_in_except: set[str] = field(default_factory=set)
 
 
 def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index:
@@ -217,27 +212,15 @@ class _Indexer:
         self._func_names = funcs | linked
         self._method_names = methods | linked
         module = Scope(tree, "<module>", None)
-        self.index = Index(
-            tree=tree,
-            imports=Imports(),
-            module=module,
-            functions=[],
-            classes={},
-            calls=[],
-            refs=[],
-            loops=[],
-            assignments=[],
-            seen=set(),
-            seen_in_except=set(),
-        )
+        self.index = Index(tree, Imports(), module)
         self._scope = module
         self._guards: tuple[Guard, ...] = ()
         self._loop_depth = 0
-        self._except_depth = 0
         # Where names read here go: `seen`, or `seen_in_except` inside a handler.
         self._seen = self.index.seen
         self._class_name: str | None = None
         self._class_body: ClassInfo | None = None
+        visit, visit_all = self._visit, self._visit_all
         self._handlers: dict[type[ast.AST], Any] = {
             ast.Module: lambda n: self._body(n.body),
             ast.FunctionDef: self._function,
@@ -259,7 +242,7 @@ class _Indexer:
             ast.Call: self._call,
             ast.Name: self._name,
             ast.Attribute: self._attribute,
-            ast.IfExp: self._if_exp,
+            ast.IfExp: self._if,
             ast.BoolOp: self._bool_op,
             # The most common nodes get a direct handler: the generic walk costs more.
             ast.Expr: self._value,
@@ -267,16 +250,16 @@ class _Indexer:
             ast.FormattedValue: self._value,
             ast.Starred: self._value,
             ast.Await: self._value,
-            ast.BinOp: self._bin_op,
-            ast.Subscript: self._subscript,
+            ast.BinOp: lambda n: (visit(n.left), visit(n.right)),
+            ast.Subscript: lambda n: (visit(n.value), visit(n.slice)),
             ast.Tuple: self._elts,
             ast.List: self._elts,
             ast.Set: self._elts,
             ast.JoinedStr: self._joined_str,
-            ast.Compare: self._compare,
-            ast.UnaryOp: self._unary_op,
-            ast.Dict: self._dict,
-            ast.AugAssign: self._aug_assign,
+            ast.Compare: lambda n: (visit(n.left), visit_all(n.comparators)),
+            ast.UnaryOp: lambda n: visit(n.operand),
+            ast.Dict: lambda n: (visit_all(n.keys), visit_all(n.values)),  # a key may be None
+            ast.AugAssign: lambda n: (visit(n.target), visit(n.value)),
             ast.alias: _ignore,
             ast.arguments: _ignore,  # lambda parameters; their defaults hold no calls of note
         }
@@ -308,14 +291,6 @@ class _Indexer:
     def _value(self, node: Any) -> None:
         self._visit(node.value)
 
-    def _bin_op(self, node: ast.BinOp) -> None:
-        self._visit(node.left)
-        self._visit(node.right)
-
-    def _subscript(self, node: ast.Subscript) -> None:
-        self._visit(node.value)
-        self._visit(node.slice)
-
     def _elts(self, node: ast.Tuple | ast.List | ast.Set) -> None:
         for elt in node.elts:
             self._visit(elt)
@@ -325,32 +300,13 @@ class _Indexer:
             if type(value) is not ast.Constant:
                 self._visit(value)
 
-    def _compare(self, node: ast.Compare) -> None:
-        self._visit(node.left)
-        for comparator in node.comparators:
-            self._visit(comparator)
-
-    def _unary_op(self, node: ast.UnaryOp) -> None:
-        self._visit(node.operand)
-
-    def _dict(self, node: ast.Dict) -> None:
-        for key in node.keys:
-            if key is not None:
-                self._visit(key)
-        for value in node.values:
-            self._visit(value)
-
-    def _aug_assign(self, node: ast.AugAssign) -> None:
-        self._visit(node.target)
-        self._visit(node.value)
-
     def _visit_all(self, nodes: list[Any]) -> None:
         for node in nodes:
             if node is not None:
                 self._visit(node)
 
     def _site(self, node: ast.AST) -> Site:
-        return Site(node, self._scope, self._guards, self._loop_depth, self._except_depth > 0)
+        return Site(node, self._scope, self._guards, self._loop_depth)
 
     def _body(self, stmts: list[ast.stmt]) -> None:
         saved = self._guards
@@ -397,12 +353,12 @@ class _Indexer:
         self.index.functions.append(scope)
         if in_class is not None:
             in_class.methods[node.name] = scope
-        saved = (self._scope, self._guards, self._loop_depth, self._except_depth, self._seen)
-        self._scope, self._guards, self._loop_depth, self._except_depth = scope, (), 0, 0
+        saved = (self._scope, self._guards, self._loop_depth, self._seen)
+        self._scope, self._guards, self._loop_depth = scope, (), 0
         self._seen = self.index.seen  # a def inside `except` runs whenever it is called
         self._class_body = None
         self._body(node.body)
-        self._scope, self._guards, self._loop_depth, self._except_depth, self._seen = saved
+        self._scope, self._guards, self._loop_depth, self._seen = saved
         self._class_body = in_class
 
     def _class(self, node: ast.ClassDef) -> None:
@@ -419,10 +375,10 @@ class _Indexer:
 
     # -- statements ---------------------------------------------------------------
 
-    def _if(self, node: ast.If) -> None:
+    def _if(self, node: ast.If | ast.IfExp) -> None:
         self._visit(node.test)
         self._guarded(Guard(node.test, node, BODY), node.body)
-        if node.orelse:
+        if node.orelse:  # always there in `x if test else y`
             self._guarded(Guard(node.test, node, ORELSE), node.orelse)
 
     def _while(self, node: ast.While) -> None:
@@ -430,8 +386,7 @@ class _Indexer:
         self._loop_depth += 1
         self._guarded(Guard(node.test, node, BODY), node.body)
         self._loop_depth -= 1
-        if node.orelse:
-            self._body(node.orelse)
+        self._body(node.orelse)
 
     def _for(self, node: ast.For | ast.AsyncFor) -> None:
         self.index.loops.append(self._site(node))
@@ -439,8 +394,7 @@ class _Indexer:
         self._loop_depth += 1
         self._body(node.body)
         self._loop_depth -= 1
-        if node.orelse:
-            self._body(node.orelse)
+        self._body(node.orelse)
 
     def _with(self, node: ast.With | ast.AsyncWith) -> None:
         for item in node.items:
@@ -449,13 +403,11 @@ class _Indexer:
 
     def _try(self, node: Any) -> None:
         self._body(node.body)
-        self._except_depth += 1
         saved, self._seen = self._seen, self.index.seen_in_except
         for handler in node.handlers:
             if handler.type is not None:
                 self._visit(handler.type)
             self._body(handler.body)
-        self._except_depth -= 1
         self._seen = saved
         self._body(node.orelse)
         self._body(node.finalbody)
@@ -515,18 +467,8 @@ class _Indexer:
         self, node: ast.expr, name: str, call: ast.Call | None, receiver: ast.expr | None = None
     ) -> None:
         """Record a mention of one of the file's own functions or methods, with context."""
-        self.index.refs.append(
-            Ref(
-                node,
-                self._scope,
-                self._guards,
-                self._loop_depth,
-                self._except_depth > 0,
-                name=name,
-                call_expr=call,
-                receiver=receiver,
-            )
-        )
+        site = (node, self._scope, self._guards, self._loop_depth)
+        self.index.refs.append(Ref(*site, name=name, call_expr=call, receiver=receiver))
 
     def _name(self, node: ast.Name, call: ast.Call | None = None) -> None:
         if type(node.ctx) is not ast.Load:
@@ -547,11 +489,6 @@ class _Indexer:
             self._name(value)
         else:
             self._visit(value)
-
-    def _if_exp(self, node: ast.IfExp) -> None:
-        self._visit(node.test)
-        self._guarded(Guard(node.test, node, BODY), node.body)
-        self._guarded(Guard(node.test, node, ORELSE), node.orelse)
 
     def _bool_op(self, node: ast.BoolOp) -> None:
         saved = self._guards

@@ -60,14 +60,9 @@ class Linker:
 
     def _module(self, base: Path, dotted: str) -> int | None:
         parts = [p for p in dotted.split(".") if p]
-        if not parts:
-            found = self._position.get(base / "__init__.py")
-            return found
         path = base.joinpath(*parts)
-        found = self._position.get(path.with_suffix(".py"))
-        if found is None:
-            found = self._position.get(path / "__init__.py")
-        return found
+        found = self._position.get(path.with_suffix(".py")) if parts else None
+        return found if found is not None else self._position.get(path / "__init__.py")
 
     def _find(self, importer: Path, level: int, dotted: str) -> int | None:
         if level:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
@@ -44,11 +44,4 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """The object that `ddpkit check --format json` prints for this finding."""
-        return {
-            "path": self.path,
-            "line": self.line,
-            "col": self.col,
-            "code": self.code,
-            "severity": self.severity.value,
-            "message": self.message,
-        }
+        return {**asdict(self), "severity": self.severity.value}

@@ -64,10 +64,6 @@ class Imports:
             else:
                 self.aliases[alias.asname or alias.name] = f"{module}.{alias.name}"
 
-    def is_module_alias(self, name: str) -> bool:
-        """True when `name` is bound by an import (so `name.attr` is a library object)."""
-        return name in self.aliases
-
     def resolve(self, expr: ast.expr) -> str | None:
         """The fully qualified name `expr` denotes, or None when no import explains it."""
         key = id(expr)

@@ -45,7 +45,7 @@ def analyse_program(
     links = [linker.links(path, tree) for path, tree in files]
     names: dict[int, frozenset[str]] = {}
     analyses: list[FileAnalysis] = []
-    for (_, tree), file_links in zip(files, links, strict=True):
+    for position, ((_, tree), file_links) in enumerate(zip(files, links, strict=True)):
         linked: set[str] = set()
         for local, link in file_links.items():
             linked.add(local.rpartition(".")[2])
@@ -53,7 +53,7 @@ def analyse_program(
                 names[link.target] = frozenset(defined_names(files[link.target][1]))
             linked |= names[link.target]
         analyses.append(FileAnalysis(tree, file_links, frozenset(linked)))
-        analyses[-1].position = len(analyses) - 1
+        analyses[-1].position = position
     if len(analyses) < 2:
         return analyses
 
@@ -63,9 +63,9 @@ def analyse_program(
 
     groups: dict[int, list[FileAnalysis]] = {}
     for fa, group in zip(analyses, _components(links), strict=True):
-        groups.setdefault(group, []).append(fa)
-    for fa, group in zip(analyses, _components(links), strict=True):
-        fa.peers = groups[group]
+        fa.peers = groups.setdefault(group, [])
+        fa.peers.append(fa)
+    for fa in analyses:
         if len(fa.peers) > 1:
             fa.shared_callgraph = shared
     return analyses

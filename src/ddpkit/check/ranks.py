@@ -56,7 +56,8 @@ RANK_ENV = frozenset(
 RANK_ZERO_DECORATORS = frozenset(
     {"rank_zero_only", "master_only", "main_process_only", "on_main_process"}
 )
-_SPAWNERS = frozenset({"spawn", "start_processes"})
+# torch.multiprocessing.spawn / start_processes start one process per rank.
+SPAWNERS = frozenset({"spawn", "start_processes"})
 
 
 def _cached_match(pattern: re.Pattern[str]) -> Callable[[str], bool]:
@@ -143,6 +144,13 @@ def _holds_alike_for_every_rank(expr: ast.Compare) -> bool:
     return False
 
 
+def _add(names: set[str], name: str) -> bool:
+    """Add `name` to `names`; True when it was not there yet."""
+    news = name not in names
+    names.add(name)
+    return news
+
+
 class RankModel:
     """Answers "is this a rank?" and "does this condition differ between ranks?"."""
 
@@ -168,17 +176,9 @@ class RankModel:
         """Mark `target` as a rank value (or predicate); True when that is news."""
         if isinstance(target, ast.Name):
             table = self._predicate_names if predicate else self._value_names
-            names = table.setdefault(scope, set())
-            if target.id in names:
-                return False
-            names.add(target.id)
-            return True
+            return _add(table.setdefault(scope, set()), target.id)
         if isinstance(target, ast.Attribute):
-            attrs = self._predicate_attrs if predicate else self._value_attrs
-            if target.attr in attrs:
-                return False
-            attrs.add(target.attr)
-            return True
+            return _add(self._predicate_attrs if predicate else self._value_attrs, target.attr)
         return False
 
     def _follow_assignments(self, assignments: Iterable[Assignment]) -> None:
@@ -215,10 +215,9 @@ class RankModel:
                 by_name.setdefault(cls_name, []).append(init)
         changed = False
         for site in index.calls:
-            call = site.node
-            assert isinstance(call, ast.Call)
+            call = site.call
             # mp.spawn(main, ...) calls main(rank, *args).
-            if tail(call.func) in _SPAWNERS and call.args and isinstance(call.args[0], ast.Name):
+            if tail(call.func) in SPAWNERS and call.args and isinstance(call.args[0], ast.Name):
                 for fn in by_name.get(call.args[0].id, ()):
                     if fn.params:
                         changed |= self._taint_param(fn, fn.params[0])
@@ -244,11 +243,7 @@ class RankModel:
             self._follow_assignments(a for a in index.assignments if a.scope.is_method)
 
     def _taint_param(self, fn: Scope, param: str) -> bool:
-        names = self._value_names.setdefault(fn, set())
-        if param in names or is_rank_name(param):
-            return False
-        names.add(param)
-        return True
+        return not is_rank_name(param) and _add(self._value_names.setdefault(fn, set()), param)
 
     def _follow_returns(self) -> None:
         """`def is_main(): return dist.get_rank() == 0` makes `is_main()` a predicate."""

@@ -155,13 +155,6 @@ def _read_bytes(path: str) -> bytes | Finding:
     return data
 
 
-def _read(path: str, rules: Sequence[Rule]) -> list[Finding]:
-    data = _read_bytes(path)
-    if isinstance(data, Finding):
-        return [data]
-    return _check(data, path, rules)
-
-
 def _check_program(
     files: Sequence[Path], roots: Sequence[Path], rules: Sequence[Rule]
 ) -> list[Finding]:
@@ -226,7 +219,9 @@ def check_file(
     ignore: Iterable[str] | None = None,
 ) -> list[Finding]:
     """Check one file; a file that cannot be read or parsed gives one DDP000 finding."""
-    return _read(os.fspath(path), select_rules(select, ignore))
+    rules = select_rules(select, ignore)
+    data = _read_bytes(os.fspath(path))
+    return [data] if isinstance(data, Finding) else _check(data, os.fspath(path), rules)
 
 
 def python_files(paths: Iterable[str | os.PathLike[str]]) -> tuple[list[Path], list[Path]]:

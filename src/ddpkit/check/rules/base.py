@@ -5,9 +5,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ddpkit.check.analysis import FileAnalysis
-from ddpkit.check.index import AFTER, OPERAND, ORELSE, Guard, Scope
+from ddpkit.check.index import AFTER, OPERAND, ORELSE, Assignment, Guard, Scope
 from ddpkit.check.model import Severity
 
 # A rule reports the node to point at and its message.
@@ -41,8 +42,20 @@ def has_unknown_arguments(call: ast.Call) -> bool:
     )
 
 
-def is_constant(expr: ast.expr | None, value: object) -> bool:
+def is_constant(expr: ast.expr | None, value: object) -> TypeGuard[ast.Constant]:
     return isinstance(expr, ast.Constant) and expr.value is value
+
+
+def assignments_to(
+    fa: FileAnalysis, name: str, scope: Scope, module: bool = True
+) -> list[Assignment]:
+    """The assignments to variable `name` in `scope` (and, with `module`, at module level)."""
+    scopes = (scope, fa.index.module) if module else (scope,)
+    return [
+        a
+        for a in fa.index.assignments
+        if isinstance(a.target, ast.Name) and a.target.id == name and a.scope in scopes
+    ]
 
 
 def contains(tree: ast.AST, node: ast.AST) -> bool:

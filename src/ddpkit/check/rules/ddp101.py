@@ -57,11 +57,11 @@ def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
     that runs across epochs counts."""
     loader = _loader_of(fa, sampler)
     name = _assigned_name(fa, loader, sampler.scope) if loader is not None else None
-    data_loops = []
-    for loop in fa.index.loops:
-        iterated = _iterated(cast(ast.For, loop.node).iter)
-        if iterated is not None:
-            data_loops.append((loop, iterated))
+    data_loops = [
+        (loop, iterated)
+        for loop in fa.index.loops
+        if (iterated := _iterated(cast(ast.For, loop.node).iter)) is not None
+    ]
     if name is not None:
         local = [
             loop

@@ -9,7 +9,7 @@ from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Site
 from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
-from ddpkit.check.rules.base import Hit, Rule, argument, show
+from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
 
 # (module, names, position of the file argument)
 _WRITERS = (
@@ -26,35 +26,26 @@ def checkpoint_writes(fa: FileAnalysis) -> Iterator[tuple[Site, ast.expr | None]
             yield site, argument(site.call, position, keyword)
 
 
+def _is_bytes_io(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Call) and tail(expr.func) == "BytesIO"
+
+
 def _in_memory(target: ast.expr, site: Site, fa: FileAnalysis) -> bool:
     """`torch.save(obj, buffer)` with `buffer = io.BytesIO()` writes no file."""
-    if isinstance(target, ast.Call):
-        return tail(target.func) == "BytesIO"
-    if isinstance(target, ast.Name):
-        for a in fa.index.assignments:
-            if (
-                a.scope is site.scope
-                and isinstance(a.target, ast.Name)
-                and a.target.id == target.id
-                and isinstance(a.value, ast.Call)
-                and tail(a.value.func) == "BytesIO"
-            ):
-                return True
-    return False
+    return _is_bytes_io(target) or (
+        isinstance(target, ast.Name)
+        and any(
+            _is_bytes_io(a.value) for a in assignments_to(fa, target.id, site.scope, module=False)
+        )
+    )
 
 
 def per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
     """The path names the rank, directly or through `path = f"out_{rank}.pt"` nearby."""
     if fa.ranks.mentions_rank(target, site.scope):
         return True
-    if not isinstance(target, ast.Name):
-        return False
-    return any(
-        isinstance(a.target, ast.Name)
-        and a.target.id == target.id
-        and a.scope in (site.scope, fa.index.module)
-        and fa.ranks.mentions_rank(a.value, a.scope)
-        for a in fa.index.assignments
+    return isinstance(target, ast.Name) and any(
+        fa.ranks.mentions_rank(a.value, a.scope) for a in assignments_to(fa, target.id, site.scope)
     )
 
 

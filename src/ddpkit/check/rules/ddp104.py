@@ -6,7 +6,7 @@ import ast
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
-from ddpkit.check.index import Assignment, Ref, Scope, Site
+from ddpkit.check.index import Ref, Scope, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.rules.base import Hit, Rule, argument, contains, show
 from ddpkit.check.rules.ddp103 import checkpoint_writes
@@ -94,12 +94,14 @@ def _strips_prefix(tree: ast.AST) -> bool:
 def _is_saved(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> bool:
     """The state dict reaches a checkpoint write in the same function."""
     carriers: set[str] = set()
-    scope_assignments: list[Assignment] = [a for a in fa.index.assignments if a.scope is site.scope]
-    for a in scope_assignments:
-        carries = contains(a.value, state_dict) or any(
-            isinstance(n, ast.Name) and n.id in carriers for n in ast.walk(a.value)
+
+    def carries(expr: ast.expr) -> bool:
+        return contains(expr, state_dict) or any(
+            isinstance(n, ast.Name) and n.id in carriers for n in ast.walk(expr)
         )
-        if not carries:
+
+    for a in fa.index.assignments:
+        if a.scope is not site.scope or not carries(a.value):
             continue
         if _strips_prefix(a.value):
             return False
@@ -119,11 +121,7 @@ def _is_saved(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> bool:
         if helper.scope is site.scope and helper.call.args:
             objects.append(helper.call.args[0])
     for obj in objects:
-        if obj is None:
-            continue
-        if contains(obj, state_dict) or any(
-            isinstance(n, ast.Name) and n.id in carriers for n in ast.walk(obj)
-        ):
+        if obj is not None and carries(obj):
             return not _strips_prefix(obj)
     return False
 
@@ -138,7 +136,7 @@ def _save_helpers(fa: FileAnalysis) -> Iterator[Site]:
             if (
                 isinstance(func, ast.Attribute)
                 and isinstance(func.value, ast.Name)
-                and fa.imports.is_module_alias(func.value.id)
+                and func.value.id in fa.imports.aliases
                 and func.value.id not in fa.links
             ):
                 continue  # a library's save function (np.save, torch.jit.save, ...)

@@ -61,19 +61,15 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
         if why.via is None:
             assert why.guard is not None
             where = f"runs only on the ranks that pass {describe_guard(why.guard)}"
-        elif why.guard is not None:
-            where = (
-                f"is in `{scope_label(why.via)}`, which is only called under "
-                f"{describe_guard(why.guard)}"
-            )
-        elif RANK_ZERO_DECORATORS & set(why.via.decorators):
-            decorator = sorted(RANK_ZERO_DECORATORS & set(why.via.decorators))[0]
-            where = f"is in `{scope_label(why.via)}`, which `@{decorator}` runs on rank 0 only"
         else:
-            where = (
-                f"is in `{scope_label(why.via)}`, which only runs on some ranks "
-                f"(see line {why.line})"
-            )
+            decorators = sorted(RANK_ZERO_DECORATORS.intersection(why.via.decorators))
+            if why.guard is not None:
+                how = f"is only called under {describe_guard(why.guard)}"
+            elif decorators:
+                how = f"`@{decorators[0]}` runs on rank 0 only"
+            else:
+                how = f"only runs on some ranks (see line {why.line})"
+            where = f"is in `{scope_label(why.via)}`, which {how}"
         yield (
             call,
             f"{name} {where}; every rank must make the same collective calls or the job "

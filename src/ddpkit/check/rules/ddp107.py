@@ -83,8 +83,7 @@ def _reloads_own_save(fa: FileAnalysis, site: Site, saves: list[_Save]) -> bool:
     saved from: the CPU when every write moved them there first (`x.cpu()`), or this same
     rank's own GPU when the path names the rank (`f"queue{rank}.pth"`)."""
     path = argument(site.call, 0, "f")
-    key = _path_key(path) if path is not None else None
-    if path is None or key is None:
+    if path is None or (key := _path_key(path)) is None:
         return False
     # A variable names the same file only in the same function.
     same = [

@@ -12,9 +12,8 @@ from ddpkit.check.rules.ddp107 import LOADERS
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     for site, _ in fa.resolved_calls("torch", LOADERS):
-        call = site.call
-        flag = argument(call, None, "weights_only")
-        if flag is not None and is_constant(flag, False):
+        flag = argument(site.call, None, "weights_only")
+        if is_constant(flag, False):
             yield (
                 flag,
                 "`torch.load(..., weights_only=False)` unpickles the file, and unpickling "

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
 from ddpkit.check.model import Severity
-from ddpkit.check.rules.base import Hit, Rule, argument
+from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to
 
 # Any of these picks a device per process.
 _DEVICE_SETTERS = ("set_device", "set_device_index", "set_default_device")
@@ -26,33 +26,26 @@ def _is_nccl_literal(expr: ast.expr) -> bool:
 def _may_be_nccl(expr: ast.expr | None, scope: Scope, fa: FileAnalysis) -> bool:
     if expr is None:
         return False  # the default backend depends on the machine: do not guess
-    if _is_nccl_literal(expr):
-        return True
-    if isinstance(expr, ast.Name):
-        return any(
-            isinstance(a.target, ast.Name)
-            and a.target.id == expr.id
-            and a.scope in (scope, fa.index.module)
-            and _is_nccl_literal(a.value)
-            for a in fa.index.assignments
-        )
-    return False
+    return _is_nccl_literal(expr) or (
+        isinstance(expr, ast.Name)
+        and any(_is_nccl_literal(a.value) for a in assignments_to(fa, expr.id, scope))
+    )
 
 
 def _sets_visible_devices(fa: FileAnalysis) -> bool:
     """`os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)` gives each process one GPU."""
-    for a in fa.index.assignments:
-        target = a.target
-        if (
-            isinstance(target, ast.Subscript)
-            and isinstance(target.slice, ast.Constant)
-            and target.slice.value == _VISIBLE
-        ):
-            return True
-    for site in fa.calls("setdefault", "putenv", "update"):
-        if any(_VISIBLE in ast.unparse(arg) for arg in site.call.args):
-            return True
-    return False
+    if any(
+        isinstance(a.target, ast.Subscript)
+        and isinstance(a.target.slice, ast.Constant)
+        and a.target.slice.value == _VISIBLE
+        for a in fa.index.assignments
+    ):
+        return True
+    return any(
+        _VISIBLE in ast.unparse(arg)
+        for site in fa.calls("setdefault", "putenv", "update")
+        for arg in site.call.args
+    )
 
 
 def _file_chooses_device(fa: FileAnalysis) -> bool:

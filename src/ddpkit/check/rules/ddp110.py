@@ -10,7 +10,7 @@ from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.names import dotted, tail
-from ddpkit.check.rules.base import Hit, Rule, argument, has_unknown_arguments, show
+from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, has_unknown_arguments, show
 
 _PORT_KEY = "MASTER_PORT"
 _TCP_URL = re.compile(r"tcp://[^\s/]*:\d+")
@@ -23,10 +23,16 @@ _FIX = (
 )
 
 
+def _unstr(expr: ast.expr) -> ast.expr:
+    """`x` of `str(x)`, else `expr`."""
+    if isinstance(expr, ast.Call) and tail(expr.func) == "str" and len(expr.args) == 1:
+        return expr.args[0]
+    return expr
+
+
 def _constant_port(expr: ast.expr) -> bool:
     """`12355`, `"12355"`, `str(12355)`."""
-    if isinstance(expr, ast.Call) and tail(expr.func) == "str" and len(expr.args) == 1:
-        expr = expr.args[0]
+    expr = _unstr(expr)
     if not isinstance(expr, ast.Constant):
         return False
     value = expr.value
@@ -76,8 +82,7 @@ def _passes(call: ast.Call, position: int | None, name: str) -> bool:
 def _defaulted_port(fa: FileAnalysis, value: ast.expr, scope: Scope) -> str | None:
     """`str(port)` where `port` is a parameter whose fixed default a call leaves in place
     (`init_distributed(port=40112)` called as `init_distributed()`): why, else None."""
-    if isinstance(value, ast.Call) and tail(value.func) == "str" and len(value.args) == 1:
-        value = value.args[0]
+    value = _unstr(value)
     if not isinstance(value, ast.Name) or value.id not in scope.params:
         return None
     found = _parameter_default(scope.node, value.id)
@@ -156,27 +161,22 @@ def _option_dest(call: ast.Call) -> str | None:
     return None
 
 
-def _stored_urls(fa: FileAnalysis, url: ast.expr, site: Site) -> Iterator[Hit]:
+def _stored_urls(fa: FileAnalysis, url: ast.Name | ast.Attribute, site: Site) -> Iterator[Hit]:
     """`url = "tcp://...:port"` or `args.dist_url = ...` before the init; argparse defaults."""
-    for a in fa.index.assignments:
-        target = a.target
-        same = (
-            isinstance(url, ast.Name)
-            and isinstance(target, ast.Name)
-            and target.id == url.id
-            and a.scope in (site.scope, fa.index.module)
-        ) or (
-            isinstance(url, ast.Attribute)
-            and isinstance(target, ast.Attribute)
-            and target.attr == url.attr
-        )
-        if same and _has_port(a.value):
+    if isinstance(url, ast.Name):
+        stored = assignments_to(fa, url.id, site.scope)
+    else:
+        stored = [
+            a
+            for a in fa.index.assignments
+            if isinstance(a.target, ast.Attribute) and a.target.attr == url.attr
+        ]
+    for a in stored:
+        if _has_port(a.value):
             yield (
                 a.value,
-                (
-                    f"the init_method URL {show(a.value)} (used at line {site.line}) has a "
-                    f"fixed port: {_FIX}"
-                ),
+                f"the init_method URL {show(a.value)} (used at line {site.line}) has a "
+                f"fixed port: {_FIX}",
             )
     if not isinstance(url, ast.Attribute):
         return
@@ -190,10 +190,8 @@ def _stored_urls(fa: FileAnalysis, url: ast.expr, site: Site) -> Iterator[Hit]:
         ):
             yield (
                 default,
-                (
-                    f"the default init_method URL {show(default)} (used at line {site.line}) has "
-                    f"a fixed port; unless every run passes another one, {_FIX}"
-                ),
+                f"the default init_method URL {show(default)} (used at line {site.line}) has "
+                f"a fixed port; unless every run passes another one, {_FIX}",
             )
 
 
