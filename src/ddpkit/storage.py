@@ -410,9 +410,7 @@ def os_error_in(exc: BaseException) -> OSError | None:
     """The OSError that `exc` is or was raised while handling, if any."""
     seen: BaseException | None = exc
     for _ in range(10):
-        if seen is None:
-            return None
-        if isinstance(seen, OSError):
+        if seen is None or isinstance(seen, OSError):
             return seen
         seen = seen.__cause__ or seen.__context__
     return None

@@ -197,8 +197,7 @@ def _rest_of_epoch(sampler: Any, start: int) -> list[int]:
     dist_sampler = cast(DistributedSampler[Any], sampler)
     size, world = len(dist_sampler.dataset), dist_sampler.num_replicas  # type: ignore[arg-type]
     if dist_sampler.shuffle:
-        generator = torch.Generator()
-        generator.manual_seed(dist_sampler.seed + dist_sampler.epoch)
+        generator = torch.Generator().manual_seed(dist_sampler.seed + dist_sampler.epoch)
         order = torch.randperm(size, generator=generator).tolist()
     else:
         order = list(range(size))
@@ -269,13 +268,11 @@ class _DealtStream(IterableDataset[Any]):
     """A one-process stream dealt out to the ranks a batch at a time: of its batches of
     `batch_size` samples, rank r takes batches r, r + W, r + 2W, ... (W ranks).
 
-    Every rank reads the whole stream and keeps its own batches (as Accelerate's
-    IterableDatasetShard does), so each batch is one the single-process loader made,
-    whole. In a DataLoader worker the stream is that worker's, which the worker batches
-    on its own: dealing each worker's batches gives the ranks together exactly the
-    batches of the single-process loader. A stream that splits itself between workers
-    (`get_worker_info`) stays split; one that does not repeats in every worker, as it
-    did in the script.
+    Every rank reads the whole stream (as Accelerate's IterableDatasetShard does). In a
+    DataLoader worker the stream is that worker's, batched by it, so dealing each worker's
+    batches still gives the ranks together the single-process loader's batches, whole. A
+    stream that splits itself between workers (`get_worker_info`) stays split; one that
+    does not repeats in every worker, as it did in the script.
     """
 
     def __init__(
@@ -429,8 +426,6 @@ def prepare_loader(
         sampler = _Positioned(sampler, rank_seed(seed, ctx.rank) if seeded else None)
         if seeded:
             dataset = _SeededSamples(dataset)
-    generator = torch.Generator()
-    generator.manual_seed(seed + ctx.rank)
     loader = DistributedLoader(
         dataset,
         batch_size=batch_size,
@@ -440,7 +435,7 @@ def prepare_loader(
         drop_last=drop_last,
         collate_fn=collate_fn,
         worker_init_fn=worker_init_fn,
-        generator=generator,
+        generator=torch.Generator().manual_seed(seed + ctx.rank),
         persistent_workers=persistent_workers and num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
     )
@@ -471,9 +466,7 @@ def _first_sample_devices(dataset: Dataset[Any]) -> set[torch.device]:
     that a random augmentation in `__getitem__` draws in training what it would have
     drawn anyway. Empty for a stream (reading it would use it up), an empty dataset, and
     one that `[0]` does not index (its own errors come when the loader reads it)."""
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-        return set()
-    if len(dataset) == 0:
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__") or not len(dataset):
         return set()
     saved = rng_state()
     try:

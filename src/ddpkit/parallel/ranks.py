@@ -193,11 +193,6 @@ class _Pass:
 _passes: weakref.WeakKeyDictionary[Any, _Pass] = weakref.WeakKeyDictionary()
 
 
-def _sampler_of(loader: Any) -> Any:
-    # ddpkit's training loader wraps its DistributedSampler; base_sampler unwraps it.
-    return getattr(loader, "base_sampler", getattr(loader, "sampler", None))
-
-
 @overload
 def gather_for_metrics(values: torch.Tensor, loader: Any = None) -> torch.Tensor: ...
 @overload
@@ -256,7 +251,8 @@ def _gather_batch(tensors: list[torch.Tensor], loader: Any) -> list[torch.Tensor
     world = _group_size()
     if world == 1:
         return tensors
-    sampler = _sampler_of(loader) if loader is not None else None
+    # ddpkit's training loader wraps its DistributedSampler; base_sampler unwraps it.
+    sampler = getattr(loader, "base_sampler", getattr(loader, "sampler", None))
     _check_batch_counts(sampler, loader, world)
     device = tensors[0].device
     sizes = _gather_same_shape(torch.tensor(tensors[0].shape[0], device=device)).tolist()
@@ -314,12 +310,8 @@ def _check_batch_counts(sampler: Any, loader: Any, world: int) -> None:
         return
     batch = int(loader.batch_size)
     drop = bool(getattr(loader, "drop_last", False))
-
-    def batches(rank: int) -> int:
-        n = len(range(rank, sampler.length, world))
-        return n // batch if drop else -(-n // batch)
-
-    counts = [batches(r) for r in range(world)]
+    shards = [len(range(rank, sampler.length, world)) for rank in range(world)]
+    counts = [n // batch if drop else -(-n // batch) for n in shards]
     if len(set(counts)) > 1:
         raise ConfigError(
             f"ddpkit's evaluation loader gives rank 0 {counts[0]} batch(es) but rank "
@@ -361,15 +353,10 @@ def rank_zero_first(ctx: DistContext | None = None) -> Iterator[None]:
 Number = float | int | torch.Tensor
 
 
-def _stack(values: Sequence[Number], ctx: DistContext) -> torch.Tensor:
-    parts = [
-        v.detach().reshape(()).double()
-        if isinstance(v, torch.Tensor)
-        else torch.tensor(float(v), dtype=torch.float64)
-        for v in values
-    ]
-    # nccl only reduces tensors on the GPU; gloo wants them on the CPU.
-    return torch.stack([p.to(ctx.device) for p in parts])
+def _double(value: Number) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).double()
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 def reduce_sums(values: Sequence[Number], ctx: DistContext | None = None) -> list[float]:
@@ -377,7 +364,8 @@ def reduce_sums(values: Sequence[Number], ctx: DistContext | None = None) -> lis
     ctx = ctx or DistContext.current()
     if not values:
         return []
-    packed = _stack(values, ctx)
+    # nccl only reduces tensors on the GPU; gloo wants them on the CPU.
+    packed = torch.stack([_double(v).to(ctx.device) for v in values])
     if ctx.distributed:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     return [float(x) for x in packed.cpu().tolist()]

@@ -54,18 +54,12 @@ class SyncBatchNorm(_BatchNorm):
         *,
         bias: bool = True,
     ) -> None:
-        super().__init__(
-            num_features,
-            eps,
-            momentum,
-            affine,
-            track_running_stats,
-            device=device,
-            dtype=dtype,
-            # Only torch >= 2.13 knows `bias=` (a BatchNorm without bias cannot exist
-            # before it), so pass it only when it differs from the default.
-            **({} if bias else {"bias": False}),
-        )
+        # Only torch >= 2.13 knows `bias=` (a BatchNorm without bias cannot exist
+        # before it), so pass it only when it differs from the default.
+        options: dict[str, Any] = {"device": device, "dtype": dtype}
+        if not bias:
+            options["bias"] = False
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, **options)
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:
@@ -107,27 +101,11 @@ class SyncBatchNorm(_BatchNorm):
                 if self.momentum is None
                 else float(self.momentum)
             )
+        stats = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
         result: Tensor = _SyncBatchNormFunction.apply(  # type: ignore[no-untyped-call]
-            input,
-            self.weight,
-            self.bias,
-            self.running_mean if self.track_running_stats else None,
-            self.running_var if self.track_running_stats else None,
-            self.eps,
-            factor,
-            group,
+            input, self.weight, self.bias, *stats, self.eps, factor, group
         )
         return result
-
-
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float16/bfloat16 statistics lose too much; float64 inputs keep their precision.
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _channel_view(t: Tensor, ndim: int) -> Tensor:
-    """A (C,) tensor shaped to broadcast against an (N, C, *) input of `ndim` dimensions."""
-    return t.view(1, -1, *([1] * (ndim - 2)))
 
 
 def _gather(packet: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -163,7 +141,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         group: dist.ProcessGroup,
     ) -> Tensor:
         channels = x.size(1)
-        cdtype = _stat_dtype(x.dtype)
+        # float16/bfloat16 statistics lose too much; float64 inputs keep their precision.
+        cdtype = torch.promote_types(x.dtype, torch.float32)
         # Autocast would be free to run these ops in half precision; the statistics
         # must stay in float32 or better whatever the caller's autocast settings are.
         with torch.autocast(x.device.type, enabled=False):
@@ -213,12 +192,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             if running_mean is not None and running_var is not None and total > 0:
                 # nn.BatchNorm tracks the unbiased variance of the (here: global) batch.
                 unbiased = global_m2 / (total - 1.0)
-                running_mean.copy_(
-                    running_mean.to(torch.float64) * (1.0 - factor) + global_mean * factor
-                )
-                running_var.copy_(
-                    running_var.to(torch.float64) * (1.0 - factor) + unbiased * factor
-                )
+                for stat, batch in ((running_mean, global_mean), (running_var, unbiased)):
+                    stat.copy_(stat.to(torch.float64) * (1.0 - factor) + batch * factor)
 
             mean_c = global_mean.to(cdtype)
             var_c = global_var.to(cdtype)
@@ -229,9 +204,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             )
 
         ctx.save_for_backward(x, weight, mean_c, var_c)
-        ctx.group = group
-        ctx.total = total
-        ctx.eps = eps
+        ctx.group, ctx.total, ctx.eps = group, total, eps
         return out.to(x.dtype)
 
     @staticmethod
@@ -270,7 +243,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 grad_input = F.batch_norm(
                     xc, mean, var, -mean_gx * scale, -mean_g * scale, False, 0.0, ctx.eps
                 )
-                grad_input.addcmul_(g, _channel_view(scale, x.dim()))
+                # scale's (C,) viewed as (1, C, 1, ...), to broadcast against the input.
+                grad_input.addcmul_(g, scale.view(1, -1, *([1] * (x.dim() - 2))))
                 grad_input = grad_input.to(x.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
@@ -297,23 +271,16 @@ def convert_sync_batchnorm(
     itself is a BatchNorm, the replacement is returned, so always use the returned
     module.
     """
-    for sub in module.modules():
-        if (
-            isinstance(sub, _BatchNorm)
-            and isinstance(sub, LazyModuleMixin)
-            and sub.has_uninitialized_params()
-        ):
+    batchnorms = [sub for sub in module.modules() if isinstance(sub, _BatchNorm)]
+    for sub in batchnorms:
+        if isinstance(sub, LazyModuleMixin) and sub.has_uninitialized_params():
             raise ConfigError(
                 f"{type(sub).__name__} has no parameters yet, so it cannot be converted to "
                 "SyncBatchNorm: run one forward pass (or use BatchNorm*d with num_features) "
                 "before preparing the model"
             )
     if _device_type(module, device) == "cuda":
-        count = sum(
-            1
-            for sub in module.modules()
-            if isinstance(sub, _BatchNorm) and not isinstance(sub, nn.SyncBatchNorm)
-        )
+        count = sum(not isinstance(sub, nn.SyncBatchNorm) for sub in batchnorms)
         converted: nn.Module = nn.SyncBatchNorm.convert_sync_batchnorm(  # type: ignore[no-untyped-call]
             module, process_group
         )
@@ -364,12 +331,9 @@ def _to_sync(bn: _BatchNorm, process_group: dist.ProcessGroup | None) -> SyncBat
         bias=bn.bias is not None or not bn.affine,  # no bias to leave out without affine
     )
     if bn.affine:
-        sync.weight = bn.weight
-        sync.bias = bn.bias
-    sync.running_mean = bn.running_mean
-    sync.running_var = bn.running_var
-    sync.num_batches_tracked = bn.num_batches_tracked
-    sync.training = bn.training
+        sync.weight, sync.bias = bn.weight, bn.bias
+    sync.running_mean, sync.running_var = bn.running_mean, bn.running_var
+    sync.num_batches_tracked, sync.training = bn.num_batches_tracked, bn.training
     if hasattr(bn, "qconfig"):
         sync.qconfig = bn.qconfig
     return sync

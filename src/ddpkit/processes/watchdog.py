@@ -66,15 +66,17 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _user_frame(frame: FrameType | None) -> FrameType | None:
-    """The innermost frame outside torch.distributed and ddpkit's own plumbing."""
-    found = None
+def _frames(frame: FrameType | None) -> Iterator[FrameType]:
+    """`frame` and its callers, innermost first."""
     while frame is not None:
-        if not any(part in frame.f_code.co_filename for part in _OWN_FILES):
-            return frame
-        found = found or frame
+        yield frame
         frame = frame.f_back
-    return found
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    """The innermost frame outside torch.distributed and ddpkit's own plumbing (else `frame`)."""
+    outside = (f for f in _frames(frame) if not any(p in f.f_code.co_filename for p in _OWN_FILES))
+    return next(outside, frame)
 
 
 def describe(frame: FrameType | None) -> str:
@@ -98,12 +100,7 @@ def waited_in(exc: BaseException) -> dict[str, str] | None:
 
 def descendants(pid: int, read: Callable[[str], str] | None = None) -> list[int]:
     """Child processes of `pid`, theirs, and so on (Linux: /proc; elsewhere none)."""
-
-    def plain(path: str) -> str:
-        with open(path) as f:
-            return f.read()
-
-    read = read or plain
+    read = read or (lambda path: Path(path).read_text())
     found: list[int] = []
     todo, seen = [pid], {pid}
     while todo:
@@ -143,6 +140,12 @@ def expect(what: str) -> Iterator[None]:
         _EXPECTED[what] -= 1
 
 
+def _call_at(frame: FrameType, **call: Any) -> dict[str, Any]:
+    """`call` (a collective's record), waited in from `frame` from now on."""
+    where = describe(_user_frame(frame))
+    return {**call, "where": where, "since": time.time(), "expected": _EXPECTED["wait"] > 0}
+
+
 class CollectiveTracker:
     """Wraps torch.distributed's collectives (and send/recv) to record the one this
     rank waits in, and since when.
@@ -178,14 +181,7 @@ class CollectiveTracker:
         @functools.wraps(original)
         def tracked(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
-            caller = _user_frame(sys._getframe(1))
-            call = {
-                "name": name,
-                "seq": self.count,
-                "where": describe(caller),
-                "since": time.time(),
-                "expected": _EXPECTED["wait"] > 0,
-            }
+            call = _call_at(sys._getframe(1), name=name, seq=self.count)
             outer, self.current = self.current, call
             try:
                 result = original(*args, **kwargs)
@@ -216,15 +212,7 @@ class CollectiveTracker:
                 call = None
             if call is None:  # a sync call's own wait (already recorded), or not ours
                 return original(work, *args, **kwargs)
-            outer, self.current = (
-                self.current,
-                {
-                    **call,
-                    "where": describe(_user_frame(sys._getframe(1))),
-                    "since": time.time(),
-                    "expected": _EXPECTED["wait"] > 0,
-                },
-            )
+            outer, self.current = self.current, _call_at(sys._getframe(1), **call)
             try:
                 return original(work, *args, **kwargs)
             finally:
@@ -234,14 +222,10 @@ class CollectiveTracker:
         return tracked_wait
 
 
-def _ticks() -> float:
-    """Clock ticks per second, the unit of CPU times in /proc/<pid>/stat."""
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        return float(os.sysconf("SC_CLK_TCK"))
-    return 100.0
-
-
-_TICKS = _ticks()
+try:  # clock ticks per second, the unit of CPU times in /proc/<pid>/stat
+    _TICKS = float(os.sysconf("SC_CLK_TCK"))
+except (AttributeError, OSError, ValueError):
+    _TICKS = 100.0
 
 
 class _Activity:
@@ -300,12 +284,8 @@ class _Activity:
 
     def working(self) -> bool:
         """Whether the rank worked since the last call."""
-        now, cpu, (kids_cpu, kids_read), read = (
-            time.time(),
-            self._cpu(),
-            self._children(),
-            self._read_bytes(),
-        )
+        now, cpu, (kids_cpu, kids_read) = time.time(), self._cpu(), self._children()
+        read = self._read_bytes()
         then, cpu0, kids_cpu0, kids_read0, read0 = self._last
         self._last = (now, cpu, kids_cpu, kids_read, read)
         # A child that leaves the tree (its parent ended first) takes its CPU time and
@@ -314,15 +294,6 @@ class _Activity:
         busy = used >= _BUSY_SHARE * max(now - then, 1e-3)
         reads = read - read0 + max(kids_read - kids_read0, 0)
         return busy or reads > _READ_BYTES or _EXPECTED["work"] > 0
-
-
-def _waits_for_a_child(frame: FrameType | None) -> bool:
-    """Whether the main thread waits in `subprocess` (run, call, communicate, wait)."""
-    while frame is not None:
-        if frame.f_code.co_filename == subprocess.__file__:
-            return True
-        frame = frame.f_back
-    return False
 
 
 class Watchdog:
@@ -354,9 +325,6 @@ class Watchdog:
         threading.Thread(target=self._run, name="ddpkit-watchdog", daemon=True).start()
         return self
 
-    def stop(self) -> None:
-        self._stop.set()
-
     def finish(self, state: str = "finished") -> None:
         """Say that this rank has returned: it waits for nothing but the job's end.
         `state` "released": `launch` let it go under an agent, while rank 0 goes on
@@ -365,21 +333,18 @@ class Watchdog:
         with self._lock, contextlib.suppress(Exception):
             now = time.time()
             self._write(
-                {
-                    "rank": self.rank,
-                    "pid": os.getpid(),
-                    "state": state,
-                    "sampled": now,
-                    "moved": now,
-                    "active": now,
-                    "since": now,
-                    "where": "finished",
-                    "collective": None,
-                    "stack": [],
-                },
+                state=state,
+                sampled=now,
+                moved=now,
+                active=now,
+                since=now,
+                where="finished",
+                collective=None,
+                stack=[],
             )
 
-    def _write(self, report: dict[str, Any]) -> None:
+    def _write(self, **fields: Any) -> None:
+        report = {"rank": self.rank, "pid": os.getpid(), **fields}
         write_json(self.path, report)
         if self.publish is not None:
             self.publish(report)
@@ -398,39 +363,31 @@ class Watchdog:
 
     def _sample(self) -> None:
         frame = sys._current_frames().get(self._main or 0)
-        signature = []
-        f = frame
-        while f is not None:
-            signature.append((f.f_code.co_filename, f.f_lineno))
-            f = f.f_back
+        signature = tuple((f.f_code.co_filename, f.f_lineno) for f in _frames(frame))
         now = time.time()
         wakeups = self._activity.wakeups()
-        if tuple(signature) != self._signature or wakeups != self._wakeups:
-            self._signature, self._wakeups = tuple(signature), wakeups
+        if signature != self._signature or wakeups != self._wakeups:
+            self._signature, self._wakeups = signature, wakeups
             self._moved = now  # it moves: it may be polling, so it is not parked
         # Waiting for a child that uses no CPU (a `sleep`, a download stalled on the
         # network) is not parked either: the child may still end. It is uncertain, as
         # polling is; DataLoader workers idle beside a deadlocked main thread are not.
-        child_wait = _waits_for_a_child(frame)
+        child_wait = any(f.f_code.co_filename == subprocess.__file__ for f in _frames(frame))
         if child_wait:
             self._moved = now
         if self._activity.working():
             self._active = now
         self._write(
-            {
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "state": "running",
-                "sampled": now,
-                "moved": self._moved,  # the stack last changed
-                "active": self._active,  # the rank last showed that it works
-                "expected_work": _EXPECTED["work"] > 0,
-                "child_wait": child_wait,
-                "where": describe(_user_frame(frame)),
-                "collective": self.tracker.current,
-                "collectives_done": self.tracker.count - (1 if self.tracker.current else 0),
-                "stack": _format_stack(frame),
-            },
+            state="running",
+            sampled=now,
+            moved=self._moved,  # the stack last changed
+            active=self._active,  # the rank last showed that it works
+            expected_work=_EXPECTED["work"] > 0,
+            child_wait=child_wait,
+            where=describe(_user_frame(frame)),
+            collective=self.tracker.current,
+            collectives_done=self.tracker.count - (1 if self.tracker.current else 0),
+            stack=_format_stack(frame),
         )
 
 
