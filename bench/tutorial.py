@@ -153,7 +153,7 @@ def loopback_store(world_size: int) -> Any:
     """The rendezvous store, at a free port, listening on 127.0.0.1 only.
 
     TCPStore listens on every interface when it opens its own socket, so it gets one
-    already bound to loopback (as `ddpkit.processes.launcher.serve_store` does; not imported here,
+    already bound to loopback (as `ddpkit.processes.store.serve_store` does; not imported here,
     so that the hand-written contestant's start-up does not load ddpkit).
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -221,7 +221,7 @@ def test_a_worker_whose_parent_is_not_the_launcher_exits() -> None:
     # A worker adopted by a subreaper (or init) before it asked to die with its parent
     # must notice: its parent is no longer the process that started it.
     code = (
-        "from ddpkit.processes.launcher import die_with_parent; die_with_parent(1); print('alive')"
+        "from ddpkit.processes.workers import die_with_parent; die_with_parent(1); print('alive')"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and "alive" not in out.stdout and out.stderr == ""

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ddpkit import DistContext, launch
 from ddpkit.errors import ConfigError, HangError, WorkerError
-from ddpkit.processes.launcher import threads_per_rank
+from ddpkit.processes.machine import threads_per_rank
 from ddpkit.versions import release
 from tests.conftest import ROOT, pid_alive, run_cli, wait_for_files, wait_gone
 
@@ -172,7 +172,7 @@ _START_SCRIPT = textwrap.dedent(
     import threading, time
     import torch
     import ddpkit
-    from ddpkit.processes.launcher import start_method
+    from ddpkit.processes.start import start_method
 
     def module_name(ctx):
         # A spawned worker re-imports the script as __mp_main__; a forked one is a copy.

@@ -140,6 +140,28 @@ def test_no_module_imports_from_a_layer_above_or_beside_it() -> None:
     assert wrong == []
 
 
+# The parts of `launch`, bottom first: each imports only those below it (what the
+# machine offers, the store and how workers start know nothing of workers or of launch).
+LAUNCH_PARTS = [
+    "ddpkit.processes.machine",
+    "ddpkit.processes.store",
+    "ddpkit.processes.start",
+    "ddpkit.processes.workers",
+    "ddpkit.processes.launcher",
+]
+
+
+def test_the_parts_of_launch_import_only_those_below_them() -> None:
+    modules = set(_modules())
+    assert set(LAUNCH_PARTS) <= modules
+    wrong = [
+        f"{name} -> {target}"
+        for i, name in enumerate(LAUNCH_PARTS)
+        for target in sorted(_ddpkit_imports(name, modules) & set(LAUNCH_PARTS[i + 1 :]))
+    ]
+    assert wrong == []
+
+
 def test_no_import_circles() -> None:
     """Counting every import statement: at module level, in functions, and for type
     checking only."""

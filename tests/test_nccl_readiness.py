@@ -20,12 +20,14 @@ import ddpkit.processes.group as ddist
 from ddpkit import DistContext, launch
 from ddpkit.errors import ConfigError, WorkerError
 from ddpkit.processes import launcher as ln
+from ddpkit.processes import machine, workers
+from ddpkit.processes.start import start_method
 
 # -- helpers for launches that believe they run NCCL ---------------------------------------
 # The workers are forked, so they keep these patches; the group underneath is gloo.
 _SEEN: dict[str, Any] = {}
 _RECORDS: list[Path] = []
-_REAL_INIT = ln._init_group
+_REAL_INIT = ddist.init_group
 _REAL_DESTROY = ddist.destroy_group
 
 
@@ -62,9 +64,10 @@ def _raise_everywhere(ctx: DistContext) -> None:
 def _as_if_nccl(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(ln, "resolve_backend", lambda backend: "nccl")
     monkeypatch.setattr(ln, "resolve_nprocs", lambda nprocs, backend: 2)
-    monkeypatch.setattr(ln, "_device_for", lambda backend, rank: torch.device("cpu"))
-    monkeypatch.setattr(ln, "_init_group", _init_as_if_nccl)
-    monkeypatch.setattr(ln, "destroy_group", _recording_destroy)
+    for module in (ln, workers):  # a rank in place, a worker
+        monkeypatch.setattr(module, "device_for", lambda backend, rank: torch.device("cpu"))
+        monkeypatch.setattr(module, "init_group", _init_as_if_nccl)
+        monkeypatch.setattr(module, "destroy_group", _recording_destroy)
     for name in _FR:
         monkeypatch.delenv(name, raising=False)
     _RECORDS[:] = [tmp_path]
@@ -210,7 +213,7 @@ def test_an_error_under_torchrun_aborts_the_nccl_group(
     monkeypatch.setenv("DDPKIT_HANG_TIMEOUT", "20")
     _as_if_nccl(monkeypatch, tmp_path)
     monkeypatch.setattr(
-        ln, "_init_group", lambda b, r, w, d, timeout_s, **how: _SEEN.update(timeout=timeout_s)
+        ln, "init_group", lambda b, r, w, d, timeout_s, **how: _SEEN.update(timeout=timeout_s)
     )
     monkeypatch.setattr(
         ln, "destroy_group", lambda **kw: (tmp_path / "teardown.json").write_text(json.dumps(kw))
@@ -256,7 +259,7 @@ def test_rank0s_result_is_sent_with_its_tensors_on_the_cpu() -> None:
         def send_bytes(self, data: bytes) -> None:
             sent.append(data)
 
-    ln._send(Conn(), ("ok", {"loss": _gpu(0.5), "per_rank": [_gpu(1.0, 2.0)]}))  # type: ignore[arg-type]
+    workers._send(Conn(), ("ok", {"loss": _gpu(0.5), "per_rank": [_gpu(1.0, 2.0)]}))  # type: ignore[arg-type]
     kind, result = pickle.loads(sent[0])
     assert kind == "ok"
     for t in (result["loss"], result["per_rank"][0]):
@@ -276,7 +279,7 @@ def test_the_result_walk_keeps_structure_and_leaves_other_objects_alone() -> Non
         "meta": meta,
         "grad": weight.requires_grad_(),
     }
-    out = ln.result_on_cpu(result)
+    out = workers.result_on_cpu(result)
     assert type(out["state"]) is OrderedDict and list(out["state"]) == ["w", "b"]
     assert [type(t) for t in out["state"].values()] == [torch.Tensor, torch.Tensor]
     assert type(out["pairs"][0]) is _Pair and out["pairs"][0].steps == 7
@@ -307,15 +310,15 @@ def test_resolving_a_gpu_job_in_the_parent_touches_no_cuda(
     # The resolution only: that the workers then start on 2 real GPUs needs a GPU.
     _no_cuda(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert ln.resolve_backend("auto") == "nccl"
-    assert ln.resolve_backend("nccl") == "nccl"
-    assert ln.resolve_nprocs("auto", "nccl") == 2
-    assert ln.resolve_nprocs(2, "nccl") == 2
+    assert machine.resolve_backend("auto") == "nccl"
+    assert machine.resolve_backend("nccl") == "nccl"
+    assert machine.resolve_nprocs("auto", "nccl") == 2
+    assert machine.resolve_nprocs(2, "nccl") == 2
     with pytest.raises(ConfigError, match=r"only 2 GPU\(s\) are visible"):
-        ln.resolve_nprocs(3, "nccl")
-    assert ln.start_method("auto", "nccl") in ("forkserver", "spawn")
+        machine.resolve_nprocs(3, "nccl")
+    assert start_method("auto", "nccl") in ("forkserver", "spawn")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert ln.resolve_backend("auto") == "gloo"
+    assert machine.resolve_backend("auto") == "gloo"
 
 
 @pytest.mark.parametrize(
@@ -323,7 +326,7 @@ def test_resolving_a_gpu_job_in_the_parent_touches_no_cuda(
     [("0,1", 2), ("", 0), ("3", 1), ("GPU-8d2f,MIG-1a2b", 2), ("0,-1,2", 1), (" 1 , 2 ", 2)],
 )
 def test_cuda_visible_devices_is_counted_as_cuda_counts_it(visible: str, count: int) -> None:
-    assert ln.visible_gpus(visible) == count
+    assert machine.visible_gpus(visible) == count
 
 
 def test_without_cuda_visible_devices_gpus_are_counted_by_nvml_or_nvidia_smi(
@@ -332,7 +335,7 @@ def test_without_cuda_visible_devices_gpus_are_counted_by_nvml_or_nvidia_smi(
     _no_cuda(monkeypatch)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 3, raising=False)
-    assert ln.gpu_count() == 3
+    assert machine.gpu_count() == 3
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1, raising=False)  # no NVML
     smi = tmp_path / "nvidia-smi"
     smi.write_text(
@@ -342,4 +345,4 @@ def test_without_cuda_visible_devices_gpus_are_counted_by_nvml_or_nvidia_smi(
     )
     smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert ln.gpu_count() == 2
+    assert machine.gpu_count() == 2

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.processes.launcher import start_method
+from ddpkit.processes.start import start_method
 from tests.conftest import ROOT
 
 NOTEBOOK = ROOT / "tests" / "notebooks" / "launch.ipynb"

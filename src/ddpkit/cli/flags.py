@@ -176,7 +176,7 @@ def add_oversubscribe_flag(p: argparse.ArgumentParser) -> None:
 def check_processes(flag: str, count: int, *, allow: bool) -> None:
     """Warn when `flag`'s `count` processes exceed the CPU cores; refuse (ConfigError)
     more than OVERSUBSCRIBE_LIMIT times the cores, unless `allow`."""
-    from ddpkit.processes.launcher import (
+    from ddpkit.processes.machine import (
         cpu_count,  # torch: the commands that call this load it anyway
     )
 

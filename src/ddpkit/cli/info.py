@@ -47,7 +47,7 @@ def gather() -> dict[str, Any]:
     import torch.distributed as dist
 
     from ddpkit import __version__
-    from ddpkit.processes.launcher import cpu_count, resolve_backend, resolve_nprocs
+    from ddpkit.processes.machine import cpu_count, resolve_backend, resolve_nprocs
 
     problems: list[str] = []
     gpus = []

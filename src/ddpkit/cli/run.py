@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     )
     command, nproc = _validate(args)
     from ddpkit.processes.agent import run_script  # torch: once the flags are good
-    from ddpkit.processes.launcher import exit_now
+    from ddpkit.processes.workers import exit_now
 
     code = run_script(command, dataclasses.replace(settings, nprocs=nproc))
     # No interpreter shutdown, as for the workers: torch's threads (the store client
@@ -106,7 +106,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     """The worker command (after the shim) and the processes per node, or ConfigError.
     The flags are checked first: a bad one costs no import of torch."""
     command = _command(args)
-    from ddpkit.processes.launcher import resolve_backend, resolve_nprocs
+    from ddpkit.processes.machine import resolve_backend, resolve_nprocs
 
     backend = resolve_backend("auto")
     nproc = resolve_nprocs(args.nproc, backend)

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.checkpoint.pt import check_writable, find_checkpoint
     from ddpkit.context import DistContext
     from ddpkit.parallel.strategy import Strategy
-    from ddpkit.processes.launcher import launch, resolve_backend, resolve_nprocs, under_torchrun
+    from ddpkit.processes.launcher import launch
+    from ddpkit.processes.machine import resolve_backend, resolve_nprocs, under_torchrun
 
     backend = resolve_backend(args.backend)
     nproc = resolve_nprocs(args.nproc, backend)

@@ -39,7 +39,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
-from ddpkit.processes.launcher import serve_store, threads_per_rank  # noqa: E402
+from ddpkit.processes.machine import threads_per_rank  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
     Hang,
@@ -51,6 +51,7 @@ from ddpkit.processes.report import (  # noqa: E402
     status_key,
 )
 from ddpkit.processes.scratch import scratch_dir  # noqa: E402
+from ddpkit.processes.store import serve_store  # noqa: E402
 from ddpkit.processes.watchdog import descendants  # noqa: E402
 
 
@@ -209,7 +210,7 @@ class _StoreReports:
     def __init__(self, host: str, port: int, world_size: int) -> None:
         from datetime import timedelta
 
-        from ddpkit.processes.launcher import TCPStore
+        from ddpkit.processes.store import TCPStore
 
         self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
         self.world_size, self.attempt = world_size, 0

@@ -1,9 +1,11 @@
-"""The process group's life: how a job's group ends, cleanly or after a failure."""
+"""The process group's life: how a rank joins its job's group, and how the group ends,
+cleanly or after a failure."""
 
 from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -17,6 +19,27 @@ log = logging.getLogger("ddpkit")
 # Groups that destroy_group() took out of service but keeps alive; see there.
 _retired: list[Any] = []
 _GLOO_TEARDOWN_RACE = release(torch.__version__) < (2, 8)
+
+
+def device_for(backend: str, local_rank: int) -> torch.device:
+    """This rank's device: its GPU, made the current one, with nccl; else the CPU."""
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        # Before init, so that nccl and every later `.cuda()` use this rank's GPU
+        # instead of all landing on GPU 0.
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def init_group(
+    backend: str, rank: int, world: int, device: torch.device, timeout_s: float, **how: Any
+) -> None:
+    """Join the job's group (`how`: its store or init_method), bound to `device` on a GPU."""
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), **how}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
 
 
 def teardown(backend: str, *, failed: bool) -> Literal["abort", "destroy"]:

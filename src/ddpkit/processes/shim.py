@@ -42,8 +42,8 @@ def _store_publisher(rank: int) -> Callable[[dict[str, Any]], None] | None:
         return None
     from datetime import timedelta
 
-    from ddpkit.processes.launcher import TCPStore
     from ddpkit.processes.report import status_key
+    from ddpkit.processes.store import TCPStore
 
     host, _, port = address.rpartition(":")
     store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
@@ -90,8 +90,9 @@ def _note_process_group(folder: Path, rank: int) -> None:
 
 def main() -> None:
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
-    from ddpkit.processes.launcher import ReleasedByLaunch, die_with_parent, exit_now
+    from ddpkit.processes.launcher import ReleasedByLaunch
     from ddpkit.processes.watchdog import Watchdog, record_error, write_json
+    from ddpkit.processes.workers import die_with_parent, exit_now
 
     # Never outlive the agent, even if it is killed with SIGKILL.
     parent = os.environ.get("DDPKIT_PARENT_PID")

@@ -18,7 +18,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.parallel.batches import map_tensors
 from ddpkit.parallel.fsdp import gathered
 from ddpkit.parallel.model import unwrap
-from ddpkit.processes.launcher import under_torchrun
+from ddpkit.processes.machine import under_torchrun
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job, JobRef, build_job
 from ddpkit.training.trainer import Callback, Trainer

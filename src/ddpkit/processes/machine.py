@@ -1,0 +1,127 @@
+"""What this machine offers a job: whether torchrun started this process, its CPU
+cores and GPUs, and the backend and number of processes that follow from them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import torch
+
+from ddpkit.errors import ConfigError
+
+
+def under_torchrun() -> bool:
+    """True when torchrun (or another elastic agent) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def cpu_count() -> int:
+    """CPU cores this process may run on (respects taskset and cgroup affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def visible_gpus(value: str) -> int:
+    """GPUs that CUDA_VISIBLE_DEVICES=`value` lets a process use, counted as CUDA does:
+    indices or GPU-/MIG- UUIDs, up to the first entry that is neither (so "-1" hides all)."""
+    count = 0
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        count += 1
+    return count
+
+
+# Set once GPUs had to be counted through the CUDA driver: a forked worker could not
+# use CUDA then.
+_CUDA_DRIVER_USED = False
+
+
+def gpu_count() -> int:
+    """GPUs this process may use, counted without initialising CUDA here.
+
+    `torch.cuda.device_count()` and `is_available()` initialise the CUDA driver when
+    NVML cannot answer, and a parent that did cannot fork GPU workers; the workers
+    also need no context of the parent's on GPU 0. So: NVML, as torch reads it (it
+    honours CUDA_VISIBLE_DEVICES), else CUDA_VISIBLE_DEVICES when set, else
+    `nvidia-smi -L`; the driver only as a last resort (noted, so that no worker is
+    forked after it).
+    """
+    global _CUDA_DRIVER_USED
+    if not torch.backends.cuda.is_built() or torch.version.hip:  # type: ignore[no-untyped-call]
+        return torch.cuda.device_count()  # 0 on a CPU build; ROCm counts its own way
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)
+    try:
+        count = nvml() if nvml is not None else -1
+    except Exception:  # a private helper of torch's: any failure means "NVML cannot say"
+        count = -1
+    if count >= 0:
+        return int(count)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return visible_gpus(visible)
+    count = _nvidia_smi_gpus()
+    if count > 0:
+        return count
+    count = torch.cuda.device_count()
+    # A driver that found no GPU (or none installed) leaves nothing a fork would copy.
+    _CUDA_DRIVER_USED = _CUDA_DRIVER_USED or count > 0
+    return count
+
+
+def _nvidia_smi_gpus() -> int:
+    """GPUs that `nvidia-smi -L` lists; 0 without it or when it fails."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def cuda_driver_used() -> bool:
+    """True once `gpu_count` had to ask the CUDA driver: no worker may be forked then."""
+    return _CUDA_DRIVER_USED
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` is nccl when a GPU is visible, gloo otherwise; an impossible choice raises."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"backend must be 'auto', 'gloo' or 'nccl' (got {backend!r})")
+    if backend == "auto":
+        return "nccl" if gpu_count() > 0 else "gloo"
+    if backend == "nccl" and gpu_count() == 0:
+        raise ConfigError(
+            "backend 'nccl' needs a CUDA GPU and none is visible: pass backend='gloo'"
+        )
+    return backend
+
+
+def resolve_nprocs(nprocs: int | str, backend: str) -> int:
+    """torchrun's `auto`: one process per visible GPU, else one per CPU core."""
+    if nprocs == "auto":
+        return gpu_count() if backend == "nccl" else cpu_count()
+    if isinstance(nprocs, str) and nprocs.isdigit():
+        nprocs = int(nprocs)
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ConfigError(
+            f"nprocs must be 'auto' or an integer >= 1 (got {nprocs!r}): pass --nproc 2"
+        )
+    if backend == "nccl" and nprocs > (gpus := gpu_count()):
+        raise ConfigError(
+            f"nprocs={nprocs} but only {gpus} GPU(s) are visible: "
+            "pass --nproc auto (one process per GPU)"
+        )
+    return nprocs
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """A fair share of the cores, so ranks on one machine don't oversubscribe it."""
+    return max(1, cpu_count() // max(1, local_world_size))
