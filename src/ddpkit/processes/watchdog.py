@@ -55,6 +55,7 @@ _PLUMBING = (
     "runpy",
     "<string>",
     "ddpkit/processes/launcher.py",
+    "ddpkit/processes/workers.py",
     "ddpkit/processes/shim.py",
 )
 
@@ -398,7 +399,7 @@ def _format_stack(frame: FrameType | None) -> list[str]:
     return traceback.format_list(kept)
 
 
-def _format_exception(exc: BaseException) -> str:
+def format_exception(exc: BaseException) -> str:
     """Like traceback.format_exception, without the frames of ddpkit's machinery."""
     te = traceback.TracebackException.from_exception(exc)
     te.stack = traceback.StackSummary.from_list(
@@ -417,7 +418,7 @@ def record_error(folder: Path, rank: int, exc: BaseException) -> None:
                 "time": time.time(),
                 "exc_type": type(exc).__name__,
                 "message": str(exc),
-                "traceback": _format_exception(exc),
+                "traceback": format_exception(exc),
                 "waited_in": waited_in(exc),
             },
         )

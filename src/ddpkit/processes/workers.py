@@ -11,7 +11,6 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from ddpkit.processes.machine import threads_per_rank
 from ddpkit.processes.nccl import nccl_watch
 from ddpkit.processes.preemption import STOP_SIGNALS, install_handlers
 from ddpkit.processes.store import TCPStore, loopback_interface
-from ddpkit.processes.watchdog import Watchdog, waited_in
+from ddpkit.processes.watchdog import Watchdog, format_exception, waited_in
 
 
 @dataclass(frozen=True)
@@ -260,5 +259,5 @@ def _tensor_on_cpu(t: torch.Tensor) -> torch.Tensor:
 def _report(conn: Connection, exc: BaseException) -> None:
     # If the parent is gone or the pipe broke, the exit code still tells.
     with contextlib.suppress(Exception):
-        tb = traceback.format_exc()
+        tb = format_exception(exc)
         _send(conn, ("error", time.time(), type(exc).__name__, str(exc), tb, waited_in(exc)))
