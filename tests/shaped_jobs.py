@@ -76,7 +76,7 @@ def build_dict(ctx: ddpkit.DistContext, config: ddpkit.TrainConfig) -> ddpkit.Jo
     model = OwnLoss()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     # OneCycleLR raises if stepped more than total_steps: the count must be exact.
-    total = config.epochs * config.steps_per_epoch(len(train), ctx.world_size)
+    total = config.total_steps(len(train), ctx.world_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=total)
     return ddpkit.Job(
         model=model,

@@ -107,7 +107,10 @@ def test_help_shows_the_defaults_of_the_job_it_names(tmp_path: Path) -> None:
         assert "(default:20,from" + spec.replace(" ", "") in text or command == "verify"
         assert "micro-batch(default:32)" in text  # batch_size: the job leaves TrainConfig's
     out = run_cli("train", "-h")  # no job named: the default job's, digits
-    assert "epochs to train (default: 10, from digits)" in " ".join(out.stdout.split())
+    text = " ".join(out.stdout.split())
+    assert (
+        "epochs to train (with --max-steps: as many as it takes) (default: 10, from digits)" in text
+    )
 
 
 JOB = """

@@ -34,8 +34,14 @@ def test_defaults_are_valid_and_an_int_for_a_float_becomes_a_float() -> None:
             "scheduler_interval must be one of epoch, step (got 'batch'): "
             "pass --scheduler-interval step",
         ),
-        ({"epochs": "2"}, "epochs must be an integer (got '2', a str): pass --epochs 10"),
-        ({"epochs": True}, "epochs must be an integer (got True, a bool): pass --epochs 10"),
+        (
+            {"batch_size": "2"},
+            "batch_size must be an integer (got '2', a str): pass --batch-size 32",
+        ),
+        (
+            {"batch_size": True},
+            "batch_size must be an integer (got True, a bool): pass --batch-size 32",
+        ),
         (
             {"clip_grad_norm": 0},
             "clip_grad_norm must be > 0 (got 0): pass --clip-grad-norm 1.0, or leave it out",

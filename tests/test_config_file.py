@@ -150,10 +150,10 @@ def test_unknown_key_with_nothing_close_has_no_guess(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
-        ('epochs = "ten"', "epochs must be an integer (got 'ten', a str)"),
-        ("epochs = true", "epochs must be an integer (got True, a bool)"),
-        ("epochs = 2.5", "epochs must be an integer (got 2.5, a float)"),
-        ("epochs = [1, 2]", "epochs must be an integer (got [1, 2], a list)"),
+        ('batch_size = "ten"', "batch_size must be an integer (got 'ten', a str)"),
+        ("batch_size = true", "batch_size must be an integer (got True, a bool)"),
+        ("batch_size = 2.5", "batch_size must be an integer (got 2.5, a float)"),
+        ("batch_size = [1, 2]", "batch_size must be an integer (got [1, 2], a list)"),
         ("resume = 1", "resume must be a boolean (got 1, an int)"),
         ('resume = "yes"', "resume must be a boolean (got 'yes', a str)"),
         ("progress = 0", "progress must be a boolean or None (got 0, an int)"),
@@ -175,8 +175,8 @@ def test_wrong_value_names_key_expected_type_and_value(
 
 
 def test_wrong_value_shows_how_to_set_it(tmp_path: Path) -> None:
-    message = error_of(lambda: load_config_file(write(tmp_path / "a.toml", "epochs = true\n")))
-    assert message.endswith("pass --epochs 10")
+    message = error_of(lambda: load_config_file(write(tmp_path / "a.toml", "batch_size = true\n")))
+    assert message.endswith("pass --batch-size 32")
     message = error_of(lambda: load_config_file(write(tmp_path / "b.toml", "progress = 1\n")))
     assert message.endswith("pass --progress or --no-progress, or leave it out")
 
@@ -280,8 +280,8 @@ def test_file_that_is_not_utf8(tmp_path: Path) -> None:
 def test_none_only_where_the_type_allows_it() -> None:
     values = validate_options({"progress": None, "checkpoint_dir": None}, "DEFAULTS")
     assert values == {"progress": None, "checkpoint_dir": None}
-    message = error_of(lambda: validate_options({"epochs": None}, "DEFAULTS"))
-    assert message == "DEFAULTS: epochs must be an integer (got None): pass --epochs 10"
+    message = error_of(lambda: validate_options({"batch_size": None}, "DEFAULTS"))
+    assert message == "DEFAULTS: batch_size must be an integer (got None): pass --batch-size 32"
     message = error_of(lambda: validate_options({"resume": 1}, "DEFAULTS"))
     assert "resume must be a boolean (got 1, an int)" in message
     message = error_of(lambda: validate_options({"checkpoint_dir": 1}, "DEFAULTS"))
@@ -518,10 +518,10 @@ def test_defaults_are_validated_like_a_file(tmp_path: Path, clean_imports: None)
     message = error_of(lambda: load_job(f"{bad_key}:build"))
     assert "defaults_key_job.DEFAULTS: unknown option 'epoch': did you mean 'epochs'?" in message
     bad_type = write(
-        tmp_path / "defaults_type_job.py", 'DEFAULTS = {"epochs": "2"}\ndef build(ctx): ...\n'
+        tmp_path / "defaults_type_job.py", 'DEFAULTS = {"batch_size": "2"}\ndef build(ctx): ...\n'
     )
     message = error_of(lambda: load_job(f"{bad_type}:build"))
-    assert "defaults_type_job.DEFAULTS: epochs must be an integer (got '2', a str)" in message
+    assert "defaults_type_job.DEFAULTS: batch_size must be an integer (got '2', a str)" in message
     bad_range = write(
         tmp_path / "defaults_range_job.py", 'DEFAULTS = {"keep_last": 0}\ndef build(ctx): ...\n'
     )

@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ FORMAT = "ddpkit-checkpoint/1"
 _NAME = re.compile(r"^ckpt-(\d+)\.(?:pt|dcp)$")  # a file, or a sharded folder
 # A temporary file names its writer (`.ckpt-<step>.pt.<pid>@<host>.<random>.tmp`), so that
 # clearing the ones of crashed saves never deletes one that another process is writing.
-_TEMP = re.compile(r"^\.ckpt-\d+\.(?:pt|dcp)\.(?:(\d+)@([\w-]*)\.)?\w+\.tmp$")
+_TEMP = re.compile(r"^\.(?:ckpt-\d+|best)\.(?:pt|dcp)\.(?:(\d+)@([\w-]*)\.)?\w+\.tmp$")
 
 
 def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
@@ -201,7 +202,7 @@ def _clear_temporaries(folder: Path) -> None:
     folder's lock, as then no other ddpkit job writes here."""
     me = this_process()
     locked: bool | None = None
-    for tmp in folder.glob(".ckpt-*.tmp"):
+    for tmp in [*folder.glob(".ckpt-*.tmp"), *folder.glob(".best.*.tmp")]:
         m = _TEMP.match(tmp.name)
         if m and m.group(1) and m.group(2) == host_token(me.host):
             pid = int(m.group(1))
@@ -268,6 +269,39 @@ def save_checkpoint(
         f"write checkpoint {path}",
     )
     return path
+
+
+def keep_as_best(path: Path, ctx: DistContext) -> Path:
+    """Keep checkpoint `path` also as `best.pt` (`best.dcp` for a sharded one) in its
+    folder, where `keep_last` never deletes it: a hard link to the file (no copy) where
+    the filesystem has them, else a copy. Call on every rank; rank 0 does it."""
+    best = path.with_name(f"best{path.suffix}")
+
+    def keep() -> None:
+        me = this_process()
+        tmp = Path(
+            tempfile.mkdtemp(
+                prefix=f".{best.name}.{me.pid}@{host_token(me.host)}.",
+                suffix=".tmp",
+                dir=path.parent,
+            )
+        )
+        try:
+            if path.is_dir():
+                shutil.copytree(path, tmp, dirs_exist_ok=True)
+            else:
+                tmp.rmdir()
+                try:
+                    os.link(path, tmp)
+                except OSError:  # a filesystem without hard links
+                    shutil.copy2(path, tmp)
+            install(tmp, best, [])
+        except BaseException:
+            delete(tmp)
+            raise
+
+    _on_rank0(keep, ctx, f"keep {path} as {best}")
+    return best
 
 
 def wait_for_checkpoints() -> None:

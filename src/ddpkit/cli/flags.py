@@ -39,7 +39,9 @@ def add_job_flags(p: argparse.ArgumentParser) -> None:
     )
     p.set_defaults(parser=p)
     job = p.add_mutually_exclusive_group()
-    job.add_argument("--example", help="built-in job: digits (the default) or linear")
+    job.add_argument(
+        "--example", help="built-in job: digits (the default), gpt (trained by steps) or linear"
+    )
     job.add_argument(
         "--job",
         metavar="MODULE:FUNCTION",
@@ -95,8 +97,10 @@ def print_job_help(args: argparse.Namespace) -> int:
     for action in parser._actions:  # argparse has no public way to change a help text
         if action.dest in defaults and action.help:
             ours = f" (default: {TrainConfig.__dataclass_fields__[action.dest].default})"
-            action.help = action.help.replace(
-                ours, f" (default: {defaults[action.dest]}, from {job})"
+            theirs = f" (default: {defaults[action.dest]}, from {job})"
+            # An option without a default of its own (epochs: None) shows none to replace.
+            action.help = (
+                action.help.replace(ours, theirs) if ours in action.help else action.help + theirs
             )
     parser.print_help()
     return 0

@@ -126,7 +126,10 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         acc, loss, speed = result["test_accuracy"], result["final_loss"], result["samples_per_s"]
+        # A run by steps may end inside its first epoch: "0 epochs" would say nothing.
         parts = [f"done: {result['epochs']} epochs", f"{result['global_step']} steps"]
+        if not result["epochs"]:
+            parts = [f"done: {result['global_step']} steps"]
         parts.append(f"loss {loss:.4f}")
         if acc is not None:
             parts.append(f"test accuracy {acc:.2%}")

@@ -61,8 +61,21 @@ class TrainConfig:
     key of the TOML file that `--config` reads. A bad value raises `ConfigError`.
     """
 
-    epochs: int = _opt(10, "epochs to train", ge=1)
-    """Passes over the training data."""
+    epochs: int | None = _opt(
+        None,
+        "epochs to train (with --max-steps: as many as it takes)",
+        ge=1,
+        example=10,
+    )
+    """Passes over the training data: 10 when neither this nor `max_steps` is set. With
+    both, training ends at whichever limit comes first."""
+    max_steps: int | None = _opt(
+        None, "train this many optimizer steps (then --epochs is optional)", ge=1, example=5000
+    )
+    """Optimizer steps to train, counted over the whole run (nanoGPT's `max_iters`).
+    Without `epochs`, the data is passed over as often as it takes, so an
+    IterableDataset that never ends trains too. Size a per-step scheduler with
+    `total_steps()`."""
     batch_size: int = _opt(32, "samples per rank per micro-batch", ge=1)
     """Samples each process takes per forward pass. An optimizer step sees
     `batch_size * accumulate * world_size` samples."""
@@ -76,6 +89,21 @@ class TrainConfig:
     """Optimizer steps between checkpoints, counted over the whole run, for epochs too
     long to lose; 0 checkpoints only at epoch ends (`save_every`). A run resumed from a
     mid-epoch checkpoint continues with the next batch."""
+    eval_every_steps: int = _opt(
+        0, "also evaluate every N optimizer steps (0: at epoch ends only)", ge=0, example=500
+    )
+    """Optimizer steps between evaluations of the eval set, for long epochs or a run by
+    `max_steps`; each is logged and may update the `keep_best` checkpoint. 0 evaluates
+    at epoch ends only (as it does anyway)."""
+    keep_best: str | None = _opt(
+        None,
+        "also keep the checkpoint with the best value of this metric, as best.pt",
+        example="eval_loss",
+    )
+    """After each epoch or evaluation that improves this metric (lower is better,
+    unless its name says accuracy or the like), checkpoint and keep that checkpoint as
+    `best.pt` (or `best.dcp`) in `checkpoint_dir`, beside the `keep_last` newest ones.
+    Any metric of an epoch's line or of an evaluation; needs `checkpoint_dir`."""
     checkpoint_dir: str | None = _opt(
         None, "folder for checkpoints (none written without it)", example="DIR"
     )
@@ -211,6 +239,11 @@ class TrainConfig:
                 "resume must be used with a checkpoint folder (got True): "
                 "pass --checkpoint-dir DIR with --resume"
             )
+        if self.keep_best is not None and self.checkpoint_dir is None:
+            raise ConfigError(
+                f"keep_best needs a checkpoint folder (got keep_best={self.keep_best!r}): "
+                "pass --checkpoint-dir DIR with --keep-best"
+            )
         if self.loggers and self.run_dir is None:
             raise ConfigError(
                 f"loggers need a run folder (got loggers={list(self.loggers)!r}): "
@@ -220,14 +253,34 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def epoch_limit(self) -> int | None:
+        """The epochs to train: `epochs`; else 10 without `max_steps`; else no limit."""
+        if self.epochs is not None:
+            return self.epochs
+        return 10 if self.max_steps is None else None
+
+    def total_steps(self, samples: int | None = None, world_size: int = 1) -> int:
+        """Optimizer steps the run takes, to size a per-step learning-rate schedule in a
+        job's `build(ctx, config)`::
+
+            OneCycleLR(opt, max_lr=1e-3, total_steps=config.total_steps(len(train), ctx.world_size))
+
+        `max_steps` (or fewer, when `epochs` of a map-style set of `samples` samples end
+        first); without it, the epochs' steps, which need `samples`."""
+        limit = self.epoch_limit()
+        if samples is None or limit is None:
+            if self.max_steps is None:
+                raise ConfigError(
+                    "total_steps() of a run by epochs needs the training set's size: pass "
+                    "config.total_steps(len(train_set), ctx.world_size)"
+                )
+            return self.max_steps
+        steps = limit * self.steps_per_epoch(samples, world_size)
+        return steps if self.max_steps is None else min(steps, self.max_steps)
+
     def steps_per_epoch(self, samples: int, world_size: int = 1) -> int:
         """Optimizer steps in one epoch of a map-style training set of `samples` samples
-        on `world_size` ranks, as `Trainer` shards and batches it. Size a per-step
-        scheduler with it, in a job's `build(ctx, config)`::
-
-            total = config.epochs * config.steps_per_epoch(len(train), ctx.world_size)
-            OneCycleLR(opt, max_lr=1e-3, total_steps=total)
-        """
+        on `world_size` ranks, as `Trainer` shards and batches it."""
         # DistributedSampler: ceil(samples / world) each (padded), or floor with drop_last.
         per_rank = samples // world_size if self.drop_last else -(-samples // world_size)
         batches = per_rank // self.batch_size if self.drop_last else -(-per_rank // self.batch_size)

@@ -30,7 +30,7 @@ BuildFn = Callable[..., Any]
 
 # The built-in jobs that `ddpkit train --example NAME` runs: each module under
 # ddpkit.examples has `DEFAULTS` (TrainConfig values that suit it) and `build(ctx)`.
-EXAMPLES = ("digits", "linear")
+EXAMPLES = ("digits", "gpt", "linear")
 
 
 def example_module(name: str) -> types.ModuleType:

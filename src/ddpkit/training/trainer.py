@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from ddpkit.checkpoint.pt import find_checkpoint, lock_folder
+from ddpkit.checkpoint.pt import find_checkpoint, keep_as_best, lock_folder
 from ddpkit.checkpoint.state import checkpoint_state, restore, save_state
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError, Preempted
@@ -96,7 +96,7 @@ class EarlyStopping(Callback):
         if mode not in ("auto", "min", "max"):
             raise ConfigError(f"mode must be 'auto', 'min' or 'max' (got {mode!r})")
         if mode == "auto":
-            mode = "max" if any(w in monitor for w in ("acc", "f1", "auc", "precision")) else "min"
+            mode = "max" if higher_is_better(monitor) else "min"
         self.monitor, self.patience, self.min_delta, self.mode = monitor, patience, min_delta, mode
         self.best = math.inf if mode == "min" else -math.inf
         self.bad_epochs = 0
@@ -131,6 +131,11 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.bad_epochs = float(state["best"]), int(state["bad_epochs"])
+
+
+def higher_is_better(metric: str) -> bool:
+    """Whether a larger `metric` is better: accuracy and the like; a loss is not."""
+    return any(w in metric for w in ("acc", "f1", "auc", "precision"))
 
 
 @dataclass
@@ -281,6 +286,12 @@ class Trainer:
                 collate_fn=collate_fn,
             )
         )
+        best = config.keep_best or ""
+        if eval_set is None and (best.startswith("eval_") or best == "accuracy"):
+            raise ConfigError(
+                f"keep_best={best!r} is an evaluation's metric and this job has no eval set: "
+                "give the job an eval_set, or keep the best by 'loss'"
+            )
         # Autocast, fp16's loss scaling, clipping and the optimizer step: the helper a
         # hand-written loop uses.
         self.precision = Precision(config.precision, ctx)
@@ -298,6 +309,9 @@ class Trainer:
         self.samples_seen = 0
         self._seen_before_epoch = 0
         self.should_stop = False
+        self.best: float | None = None  # the best value of `config.keep_best` so far
+        self._saved_step = -1  # the step of this run's newest checkpoint
+        self._evaluated: tuple[int, dict[str, float]] = (-1, {})  # the newest evaluation
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
         self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
@@ -325,7 +339,8 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> FitResult:
-        """Train (or, with `config.resume`, continue) to `config.epochs`. Call on every rank.
+        """Train (or, with `config.resume`, continue) to `config.epochs` or
+        `config.max_steps`. Call on every rank.
 
         While it runs, the job holds the lock of `config.checkpoint_dir`: a second job
         given the same folder stops with an error naming this one. With that folder, a
@@ -365,24 +380,28 @@ class Trainer:
     def _epochs(self) -> FitResult:
         cfg = self.config
         runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
-        if self.epoch < cfg.epochs and not self.should_stop:  # else resume said why not
+        if not self._done():  # else resume said why not
             self.say(self._start_line())
         if runlog.kept is not None:
             self.say(f"{cfg.run_dir} held another run's records: kept as {runlog.kept.name}")
         self._call("on_fit_start")
         samples, train_time, loss = 0, 0.0, math.nan
         metrics: dict[str, float] = {}
+        limit = cfg.epoch_limit()
+        epochs = itertools.count(self.epoch) if limit is None else range(self.epoch, limit)
         try:
-            # A resumed run that had stopped early stays stopped.
-            for epoch in range(self.epoch, 0 if self.should_stop else cfg.epochs):
+            # A resumed run that had stopped early (or trained every step) stays stopped.
+            for epoch in () if self._done() else epochs:
                 self._call("on_epoch_start", epoch)
                 self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
-                loss, n, seconds = self._train_epoch(epoch, runlog)
+                loss, n, seconds, whole = self._train_epoch(epoch, runlog)
                 samples, train_time = samples + n, train_time + seconds
                 self.samples_seen = self._seen_before_epoch + n
-                self.epoch, self.batch = epoch + 1, 0
-                if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-                    self.scheduler.step()
+                # A run by steps may end inside an epoch, which a resume then continues.
+                if whole:
+                    self.epoch, self.batch = epoch + 1, 0
+                    if self.scheduler is not None and cfg.scheduler_interval == "epoch":
+                        self.scheduler.step()
                 metrics = {
                     "loss": loss,
                     "samples": n,
@@ -391,16 +410,17 @@ class Trainer:
                     "samples_seen": self.samples_seen,
                 }
                 if self.eval_loader is not None:
-                    metrics.update(self.evaluate())
-                runlog.write("epoch", self.global_step, {"epoch": self.epoch, **metrics})
+                    metrics.update(self._evaluate_once())
+                runlog.write("epoch", self.global_step, {"epoch": epoch + 1, **metrics})
                 self._log_epoch(epoch, seconds, metrics)
                 self._call("on_epoch_end", epoch, metrics)
-                last = self.epoch == cfg.epochs or self.should_stop
+                last = self._done()
                 if cfg.checkpoint_dir and (
-                    last or (cfg.save_every and self.epoch % cfg.save_every == 0)
+                    last or (whole and cfg.save_every and self.epoch % cfg.save_every == 0)
                 ):
                     self.save()
-                if self.should_stop:
+                self._keep_best(metrics)
+                if last:
                     break
             if self._vote is not None:
                 self._vote.close()
@@ -421,8 +441,18 @@ class Trainer:
         self._call("on_fit_end", result)
         return result
 
-    def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, float]:
-        """One pass over this rank's shard; returns (global mean loss, global samples, s)."""
+    def _done(self) -> bool:
+        """Whether the run has nothing left to train: every epoch or step, or an early stop."""
+        cfg, limit = self.config, self.config.epoch_limit()
+        return (
+            self.should_stop
+            or (limit is not None and self.epoch >= limit)
+            or (cfg.max_steps is not None and self.global_step >= cfg.max_steps)
+        )
+
+    def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, float, bool]:
+        """One pass over this rank's shard, or what is left of `max_steps`; returns
+        (global mean loss, global samples, seconds, whether the pass was whole)."""
         model, device = self.model, self.ctx.device
         model.train()
         # Accumulate on the device: calling .item() each step would stall the GPU.
@@ -445,11 +475,14 @@ class Trainer:
             set_rng_state(self._resume_rng)
             self._resume_rng = None
         self._seen_before_epoch = self.samples_seen
+        # A run by steps counts steps of max_steps; one by epochs, the epoch's batches.
+        steps = self.config.max_steps
         progress = self._open_bar(
             batch_iter,
-            f"epoch {epoch + 1}/{self.config.epochs}",
-            total,
-            initial=skip,
+            self._epoch_name(epoch),
+            total if steps is None else steps,
+            initial=skip if steps is None else self.global_step,
+            per_step=steps is not None,
         )
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
@@ -461,6 +494,7 @@ class Trainer:
             else _fixed_groups(progress, Accumulation(model, self.config.accumulate, total), skip)
         )
         start = time.perf_counter()
+        whole = True
         try:
             for batch, (num, den), step_now, position in micro_batches:
                 size_b = count_samples(batch)
@@ -491,6 +525,9 @@ class Trainer:
                     signum = self._vote.step() if self._vote is not None else 0
                     if signum:  # every rank, after this same step
                         raise Preempted(self.save(), self.global_step, signum)
+                    if steps is not None and self.global_step >= steps:  # on every rank
+                        whole = False
+                        break
         finally:  # also on Ctrl-C: no half-drawn bar left on the screen
             self._close_bar()
         if device.type == "cuda":
@@ -498,7 +535,7 @@ class Trainer:
         seconds = time.perf_counter() - start
         # One collective for the epoch's log, run by every rank (all ranks end together).
         total_loss, n = reduce_sums([loss_sum, count], self.ctx)
-        return total_loss / max(n, 1), int(n), seconds
+        return total_loss / max(n, 1), int(n), seconds, whole
 
     def _agreed_groups(self, batch_iter: Iterable[Any], skip: int) -> Iterator[_Micro]:
         """Micro-batches of shards whose lengths differ between ranks, or are unknown.
@@ -574,9 +611,21 @@ class Trainer:
     def _after_step(self, window: _Window | None, runlog: RunLog, epoch: int) -> None:
         if self.callbacks:
             self._call("on_step_end", self.global_step)
-        every = self.config.save_every_steps
-        if every and self.config.checkpoint_dir and self.global_step % every == 0:
+        cfg = self.config
+        if (
+            cfg.save_every_steps
+            and cfg.checkpoint_dir
+            and self.global_step % cfg.save_every_steps == 0
+        ):
             self.save()  # every rank, after the same step
+        every = cfg.eval_every_steps
+        if every and self.eval_loader is not None and self.global_step % every == 0:
+            metrics = self._evaluate_once()
+            runlog.write("eval", self.global_step, {"epoch": epoch, **metrics})
+            self.say(" | ".join([f"step {self.global_step}", *_eval_parts(metrics)]))
+            self._keep_best(metrics)
+        if self._bar_steps and self._bar is not None:
+            self._bar.update()
         if window is None:
             return
         if self.global_step % self.config.log_every == 0:
@@ -609,6 +658,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
         count, classify = 0, False
         batches = 0
+        training_bar = self._bar, self._bar_steps  # evaluate() may run mid-epoch
         try:
             for batch in self._open_bar(self.eval_loader, "eval", _length(self.eval_loader)):
                 batches += 1
@@ -630,6 +680,7 @@ class Trainer:
                 self._gather_as_often_as_rank_0(model, batches)
         finally:
             self._close_bar()
+            self._bar, self._bar_steps = training_bar
         bare.train(was_training)
         # Every rank reduces the same names in the same order, even one with no batch.
         names = ["loss", *(self._metric_names(sums)), "accuracy"]
@@ -644,6 +695,13 @@ class Trainer:
             metrics["accuracy"] = accuracy
         self._call("on_evaluate", metrics)
         return metrics
+
+    def _evaluate_once(self) -> dict[str, float]:
+        """`evaluate()`, unless it already ran after this step (the last of a run by
+        steps is due for both evaluations): then what it gave."""
+        if self._evaluated[0] != self.global_step:
+            self._evaluated = self.global_step, self.evaluate()
+        return self._evaluated[1]
 
     def _gather_as_often_as_rank_0(self, model: nn.Module, batches: int) -> None:
         """Run uncounted forwards until this rank has run as many as rank 0, which holds
@@ -678,8 +736,30 @@ class Trainer:
         self.last_checkpoint = save_state(
             self.config.checkpoint_dir, self.ctx, **self._parts(), keep_last=self.config.keep_last
         )
+        self._saved_step = self.global_step
         self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
+
+    def _keep_best(self, metrics: dict[str, float]) -> None:
+        """After an evaluation: when `config.keep_best`'s metric improved, keep this
+        step's checkpoint (written now unless it was already) as best.pt."""
+        name = self.config.keep_best
+        if name is None:
+            return
+        if name not in metrics:
+            raise ConfigError(
+                f"keep_best watches {name!r}, which this run does not report (it has: "
+                f"{', '.join(sorted(metrics))}): choose one of those"
+            )
+        value = metrics[name]
+        if self.best is not None and not (
+            value > self.best if higher_is_better(name) else value < self.best
+        ):
+            return  # no better (a NaN never is)
+        self.best = value
+        path = self.last_checkpoint if self._saved_step == self.global_step else None
+        best = keep_as_best(path or self.save(), self.ctx)
+        self.say(f"{name} {value:.4f} is the best so far: kept as {best}")
 
     def _parts(self) -> dict[str, Any]:
         """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
@@ -688,6 +768,7 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "samples_seen": self.samples_seen,
             "should_stop": self.should_stop,
+            "best": self.best,
             "config": self.config.to_dict(),
         }
         return {
@@ -729,6 +810,7 @@ class Trainer:
             self._reposition(saved.loader)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
         self.should_stop = bool(saved.extra.get("should_stop", False))
+        self.best = saved.extra.get("best")
         if saved.rng is not None:
             # Mid-epoch, the stream is restored once the trained batches are skipped.
             self._resume_rng = saved.rng
@@ -738,12 +820,14 @@ class Trainer:
         self.last_checkpoint = saved.path
         # Said once, by rank 0, as what happened (the skipped files are already skipped).
         skipped = f"{found.skip_note()}; " if found.skipped else ""
-        epochs = self.config.epochs
+        epochs, steps = self.config.epoch_limit(), self.config.max_steps
         if self.should_stop:
             done = f"stopped early after epoch {self.epoch}"
-        elif self.epoch == epochs:
+        elif steps is not None and self.global_step >= steps:
+            done = f"has trained {self.global_step} steps, of {steps} asked for"
+        elif epochs is not None and self.epoch == epochs:
             done = f"finished all {epochs} epochs"
-        elif self.epoch > epochs:
+        elif epochs is not None and self.epoch > epochs:
             done = f"has trained {self.epoch} epochs, more than the {epochs} asked for"
         else:
             where = f" after batch {self.batch}" if self.batch else ""
@@ -792,18 +876,21 @@ class Trainer:
         if self.ctx.is_main:
             self.log_fn(text)
 
+    def _epoch_name(self, epoch: int) -> str:
+        """ "epoch 3/10"; "epoch 3" when only max_steps ends the run."""
+        limit = self.config.epoch_limit()
+        return f"epoch {epoch + 1}" + ("" if limit is None else f"/{limit}")
+
     def _log_epoch(self, epoch: int, seconds: float, metrics: dict[str, float]) -> None:
-        parts = [
-            f"epoch {epoch + 1}/{self.config.epochs}",
+        parts = [self._epoch_name(epoch)]
+        if self.config.max_steps is not None:
+            parts.append(f"step {self.global_step}/{self.config.max_steps}")
+        parts += [
             f"loss {metrics['loss']:.4f}",
             f"{metrics['samples_per_s']:,.0f} samples/s",
             f"{seconds:.2f}s",
+            *_eval_parts(metrics),
         ]
-        for name, value in metrics.items():  # eval_loss, then the metrics_fn's
-            if name.startswith("eval_") and name != "eval_samples":
-                parts.append(f"{name} {value:.4f}")
-        if "accuracy" in metrics:
-            parts.append(f"accuracy {metrics['accuracy']:.2%}")
         self.say(" | ".join(parts))
 
     def _start_line(self) -> str:
@@ -827,13 +914,21 @@ class Trainer:
 
     _bar: Any = None
     _bar_due = 0.0
+    _bar_steps = False  # the bar counts optimizer steps, not the batches it wraps
 
     def _open_bar(
-        self, loader: Iterable[Any], desc: str, total: int | None, initial: int = 0
+        self,
+        loader: Iterable[Any],
+        desc: str,
+        total: int | None,
+        initial: int = 0,
+        *,
+        per_step: bool = False,
     ) -> Iterable[Any]:
         """`loader`, drawn as a progress bar on rank 0 when `config.progress` asks for
-        one (by default: when stdout is a terminal)."""
-        self._bar = None
+        one (by default: when stdout is a terminal). `per_step`: the bar counts the
+        optimizer steps that `_after_step` reports, and `loader` is returned as it is."""
+        self._bar, self._bar_steps = None, per_step
         show = self.config.progress
         if show is None:
             show = sys.stdout.isatty()
@@ -843,14 +938,14 @@ class Trainer:
 
         self._bar_due = time.perf_counter() + _BAR_SECONDS
         self._bar = tqdm(
-            loader,
+            None if per_step else loader,
             desc=desc,
             total=total,
             initial=initial,  # a resumed epoch shows the batches it had trained
             leave=False,
             dynamic_ncols=True,
         )
-        return cast(Iterable[Any], self._bar)
+        return loader if per_step else cast(Iterable[Any], self._bar)
 
     def _close_bar(self) -> None:
         if self._bar is not None:
@@ -947,6 +1042,18 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
     return total
+
+
+def _eval_parts(metrics: dict[str, float]) -> list[str]:
+    """The evaluation's numbers for a log line: eval_loss, the metrics_fn's, accuracy."""
+    parts = [
+        f"{name} {value:.4f}"
+        for name, value in metrics.items()
+        if name.startswith("eval_") and name != "eval_samples"
+    ]
+    if "accuracy" in metrics:
+        parts.append(f"accuracy {metrics['accuracy']:.2%}")
+    return parts
 
 
 def _class_logits(outputs: Any, targets: Any) -> bool:
