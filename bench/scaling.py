@@ -82,8 +82,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from machine import LoadMeter, _machine_busy_s, _own_busy_s
@@ -293,11 +292,10 @@ def one_process_costs(model: nn.Module, inputs: Path, ctx: DistContext) -> list[
 
         return run
 
-    # verify's N-rank run calls _Record._snap on every rank after every step; rank 0
-    # also saves the copy (a Trainer stand-in: _snap reads only .model and .ctx).
+    # verify's N-rank run calls _Record.snap on every rank after every step; rank 0
+    # also saves the copy.
     def ddpkit_record(folder: Path) -> Callable[[], object]:
-        stand_in = cast(Any, SimpleNamespace(model=model, ctx=ctx))
-        return lambda: _Record(folder, steps=1)._snap(stand_in, 1)
+        return lambda: _Record(folder, steps=1).snap(model, ctx, 1)
 
     def raw_record(folder: Path) -> Callable[[], object]:
         def run() -> None:

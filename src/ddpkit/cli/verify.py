@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from typing import Any
@@ -46,6 +47,20 @@ def add_parser(sub: Any) -> None:
         ),
     )
     add_job_flags(p)
+    p.add_argument(
+        "--loop",
+        metavar="MODULE:FUNCTION",
+        help="check your own training loop main(ctx) instead of a job: it builds its model "
+        "with ddpkit.prepare_model and its data with ddpkit.prepare_loader "
+        "(e.g. --loop train.py:main)",
+    )
+    p.add_argument(
+        "loop_args",
+        nargs="*",
+        metavar="ARG",
+        help="with --loop: what main takes after ctx, each read as a Python literal when "
+        "it is one (3, 0.1, True), else as text",
+    )
     p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps to run (default 8)")
     p.add_argument(
@@ -72,16 +87,27 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ddpkit.cli.flags import job_and_config, print_job_help
+    from ddpkit.errors import ConfigError
     from ddpkit.verification import verify
 
     if args.job_help:
         return print_job_help(args)
-    job, config = job_and_config(args)
+    if args.loop is not None and (args.job is not None or args.example is not None):
+        raise ConfigError("--loop names what to check, as --job and --example do: pass one of them")
+    if args.loop_args and args.loop is None:
+        raise ConfigError(
+            f"unexpected arguments {' '.join(args.loop_args)!r}: they go to a loop, so "
+            "pass --loop FILE.py:main before them"
+        )
+    job, config = (None, None) if args.loop is not None else job_and_config(args)
     check_processes("--nproc", args.nproc, allow=args.allow_oversubscribe)  # CPU ranks only
-    check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
+    if config is not None:
+        check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
     report = verify(
         job,
         config,
+        loop=args.loop,
+        loop_args=[_literal(a) for a in args.loop_args],
         nproc=args.nproc,
         steps=args.steps,
         resume=args.check_resume,
@@ -94,3 +120,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
     return 0 if report.passed else 1
+
+
+def _literal(text: str) -> Any:
+    """3 -> 3, 0.1 -> 0.1, True -> True, 'data/train' -> 'data/train'."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text

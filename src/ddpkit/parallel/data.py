@@ -28,6 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.batches import map_tensors
+from ddpkit.parallel.watch import TrainingData, watcher
 from ddpkit.seed import rank_seed, rng_state, set_rng_state
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of
@@ -414,6 +415,15 @@ def prepare_loader(
                 seed=seed,
                 drop_last=drop_last,
             )
+    seen_by = watcher()
+    if seen_by is not None and not evaluation:  # ddpkit verify, checking a hand-written loop
+        seen = seen_by.training_data(TrainingData(dataset, sampler, batch_size, num_workers))
+        dataset, sampler, batch_size, num_workers = (
+            seen.dataset,
+            seen.sampler,
+            seen.batch_size,
+            seen.num_workers,
+        )
     pin = _pins(dataset, ctx, pin_memory)
     # A plain TensorDataset is fetched a batch at a time (subclasses may override
     # __getitem__, and a collate_fn of the caller's expects single samples).

@@ -59,6 +59,32 @@ def load_job(spec: str) -> tuple[BuildFn, dict[str, Any]]:
     function that cannot take one argument, or bad `DEFAULTS`. Any other exception
     raised by the module's own code while it is imported propagates unchanged.
     """
+    target, module = load_function(spec)
+    module_part, _, attr_part = spec.rpartition(":")
+    where = f"{module_part}:{attr_part}"
+    if _takes_one_argument(target) is False:
+        raise ConfigError(
+            f"{where} cannot be called with one argument: define it as "
+            f"def {attr_part.rsplit('.', 1)[-1]}(ctx: ddpkit.DistContext) -> ddpkit.Job "
+            "(or with a second parameter, config: ddpkit.TrainConfig)"
+        )
+
+    defaults = getattr(module, "DEFAULTS", None)
+    source = f"{module.__name__}.DEFAULTS"
+    if defaults is None:
+        return typing.cast(BuildFn, target), {}
+    if not isinstance(defaults, Mapping):
+        raise ConfigError(
+            f"{source} must be a dict of TrainConfig options "
+            f"(got {describe(defaults)}): "
+            'write DEFAULTS = {"epochs": 10, "batch_size": 32}, or remove it'
+        )
+    return typing.cast(BuildFn, target), validate_options(defaults, source)
+
+
+def load_function(spec: str) -> tuple[Any, types.ModuleType]:
+    """The function that `spec` (`package.module:function` or `path/to/file.py:function`)
+    names, and its module, loaded as `load_job` describes."""
     module_part, colon, attr_part = spec.rpartition(":")
     if (
         not colon
@@ -88,24 +114,7 @@ def load_job(spec: str) -> tuple[BuildFn, dict[str, Any]]:
             f"{where} is {describe(target)}, not a function: "
             f"pass --job {module_part}:build where build(ctx) returns a ddpkit.Job"
         )
-    if _takes_one_argument(target) is False:
-        raise ConfigError(
-            f"{where} cannot be called with one argument: define it as "
-            f"def {attr_part.rsplit('.', 1)[-1]}(ctx: ddpkit.DistContext) -> ddpkit.Job "
-            "(or with a second parameter, config: ddpkit.TrainConfig)"
-        )
-
-    defaults = getattr(module, "DEFAULTS", None)
-    source = f"{module.__name__}.DEFAULTS"
-    if defaults is None:
-        return typing.cast(BuildFn, target), {}
-    if not isinstance(defaults, Mapping):
-        raise ConfigError(
-            f"{source} must be a dict of TrainConfig options "
-            f"(got {describe(defaults)}): "
-            'write DEFAULTS = {"epochs": 10, "batch_size": 32}, or remove it'
-        )
-    return typing.cast(BuildFn, target), validate_options(defaults, source)
+    return target, module
 
 
 def _is_file(module_part: str) -> bool:

@@ -16,20 +16,26 @@ and `runs` (what both checks' runs share).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from ddpkit.errors import ConfigError
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import JobRef
 from ddpkit.verification.equivalence import check_equivalence
 from ddpkit.verification.report import VerifyReport
 from ddpkit.verification.resume import check_resume
-from ddpkit.verification.runs import DEFAULT_STEPS, LogFn
+from ddpkit.verification.runs import DEFAULT_STEPS, LogFn, LoopRef
 
 __all__ = ["VerifyReport", "verify"]
 
 
 def verify(
-    job: JobRef,
+    job: JobRef | None = None,
     config: TrainConfig | None = None,
     *,
+    loop: LoopRef | None = None,
+    loop_args: Sequence[Any] = (),
     nproc: int = 2,
     steps: int = DEFAULT_STEPS,
     resume: bool = False,
@@ -39,7 +45,9 @@ def verify(
     log_fn: LogFn = None,
 ) -> VerifyReport:
     """Check that `job` computes on `nproc` processes what it computes on one, or, with
-    `resume=True`, that stopping and resuming it changes nothing.
+    `resume=True`, that stopping and resuming it changes nothing. Instead of a job, a
+    training `loop` written by hand with `prepare_model` and `prepare_loader` may be
+    checked the same way (the first check only).
 
     The default check runs `steps` optimizer steps as `nproc` processes with
     `config.batch_size` each, then as one process whose every batch is the union of the
@@ -57,6 +65,15 @@ def verify(
         job: the job to check: a module-level `build(ctx) -> Job` function (it is sent
             to the worker processes by name), a built-in example's name, or a
             "MODULE:FUNCTION" spec.
+        loop: instead of `job`, your training loop `main(ctx)`, as you run it with
+            `ddpkit.launch(main)` (or its "MODULE:FUNCTION" or "file.py:FUNCTION"). It
+            must build one model with `prepare_model`, its training data with one
+            `prepare_loader` (a map-style dataset; an eval loader passes
+            `evaluation=True`), and step an optimizer. verify runs it on `nproc`
+            processes, recording the samples each trains on, then on one process with
+            `nproc` times the batch it gives `prepare_loader` and those samples, and
+            stops both after `steps` optimizer steps; `config` is not used.
+        loop_args: what `loop` takes after `ctx`, as `launch(main, *loop_args)` passes it.
         config: the training options, `batch_size` (per process) and `seed` among them;
             `TrainConfig()` if None. Checkpointing, resuming, the run folder, progress
             and early stopping are turned off; the default check also turns mixed
@@ -87,8 +104,27 @@ def verify(
         WorkerError: a process raised or died, the job's own error included (for
             example a dataset without `__len__`, whose order cannot be replayed).
     """
+    if (job is None) == (loop is None):
+        raise ConfigError(
+            "verify checks a job or a loop: pass one of them, e.g. verify('linear') or "
+            "verify(loop='train.py:main')"
+        )
     if resume:
+        if job is None:
+            raise ConfigError(
+                "verify checks the resume of a Job (its checkpoints are ddpkit's): pass a "
+                "build function, or drop resume=True to check the loop's equivalence"
+            )
         return check_resume(job, config, nproc=nproc, steps=steps, log_fn=log_fn)
     return check_equivalence(
-        job, config, nproc=nproc, steps=steps, dtype=dtype, atol=atol, rtol=rtol, log_fn=log_fn
+        job,
+        config,
+        loop=loop,
+        loop_args=tuple(loop_args),
+        nproc=nproc,
+        steps=steps,
+        dtype=dtype,
+        atol=atol,
+        rtol=rtol,
+        log_fn=log_fn,
     )

@@ -9,13 +9,18 @@ from ddpkit.verification.runs import leaves, same
 
 
 def equivalence_causes(
-    report: VerifyReport, ranks: list[dict[str, Any]], *, reference_draws: bool = False
+    report: VerifyReport,
+    ranks: list[dict[str, Any]],
+    *,
+    reference_draws: bool = False,
+    maker: str = "build(ctx)",
 ) -> list[str]:
     """Why the N-rank run and the one-process run differ, from the report's first
     divergence, what each rank recorded (`ranks`), and whether the one-process run drew
     random numbers in its steps (`reference_draws`). Problems that do not show in the
     numbers (unsharded data, data that depends on the rank, unseeded randomness) are
-    causes on their own."""
+    causes on their own. `maker` names what built the data and model: "build(ctx)", or
+    "the loop" written by hand."""
     n = report.nproc
     causes: list[str] = []
     unseeded = [r["probe"]["unseeded"] for r in ranks if r["probe"]["unseeded"] is not None]
@@ -31,11 +36,15 @@ def equivalence_causes(
     if differ and ranks[0]["shards_by_index"]:
         causes.append(
             "the ranks build different datasets: the first samples of the training set, "
-            "each fetched from the same random state, differ between ranks, so build(ctx) "
+            f"each fetched from the same random state, differ between ranks, so {maker} "
             "makes data that depends on the rank (it reseeds with ctx.rank, or uses an "
             "unseeded generator, before making a random dataset?), and each rank trains "
             "on its share of a dataset of its own: build the same dataset on every rank "
-            "(ddpkit seeds every rank alike before build; do not reseed with ctx.rank)"
+            + (
+                "(ddpkit seeds every rank alike before build; do not reseed with ctx.rank)"
+                if maker == "build(ctx)"
+                else "(seed every rank alike, ddpkit.seed_everything(0), not with ctx.rank)"
+            )
         )
     shared = set(ranks[0]["orders"][0]).intersection(*(r["orders"][0] for r in ranks[1:]))
     # DistributedSampler repeats at most n - 1 samples as padding; ranks whose datasets
@@ -50,7 +59,7 @@ def equivalence_causes(
     first = report.first_divergence
     if first is None:
         return causes
-    found = _divergence_cause(report, ranks, first)
+    found = _divergence_cause(report, ranks, first, maker)
     if reference_draws and first["step"] > 0:
         causes.append(
             "the training step draws random numbers (noise drawn in forward or in the "
@@ -69,7 +78,7 @@ def equivalence_causes(
 
 
 def _divergence_cause(
-    report: VerifyReport, ranks: list[dict[str, Any]], first: dict[str, Any]
+    report: VerifyReport, ranks: list[dict[str, Any]], first: dict[str, Any], maker: str
 ) -> str | None:
     """The cause that the first divergence's numbers point to, if one does."""
     n, b = report.nproc, report.batch_size
@@ -78,7 +87,7 @@ def _divergence_cause(
     plain_bn = ranks[0]["plain_batchnorm"]
     if step == 0:
         return (
-            "the two runs start from different models: build(ctx) depends on the rank or "
+            f"the two runs start from different models: {maker} depends on the rank or "
             "the number of ranks, or on randomness that seed_everything does not cover"
         )
     if plain_bn:

@@ -8,9 +8,11 @@ each step every parameter and buffer of the one-process run is compared with ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -18,6 +20,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.data import IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
@@ -26,6 +32,7 @@ from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.model import unwrap
 from ddpkit.parallel.syncbn import SyncBatchNorm
+from ddpkit.parallel.watch import TrainingData, watching
 from ddpkit.processes.launcher import launch
 from ddpkit.seed import rng_state
 from ddpkit.training.config import TrainConfig
@@ -34,6 +41,7 @@ from ddpkit.training.trainer import Callback, Trainer
 from ddpkit.verification.causes import datasets_differ, equivalence_causes
 from ddpkit.verification.probe import probe_dataset
 from ddpkit.verification.recording import (
+    OrderOfPasses,
     Recorder,
     Replay,
     ReplaySampler,
@@ -44,12 +52,14 @@ from ddpkit.verification.report import VerifyReport
 from ddpkit.verification.runs import (
     DEFAULT_STEPS,
     LogFn,
+    LoopRef,
     Stop,
     build,
     check_args,
     fit,
     make_trainer,
     promote_data,
+    resolve_loop,
     silent,
     snapshot,
 )
@@ -66,9 +76,11 @@ _NOT_MAP_STYLE = (
 
 
 def check_equivalence(
-    job: JobRef,
+    job: JobRef | None,
     config: TrainConfig | None = None,
     *,
+    loop: LoopRef | None = None,
+    loop_args: tuple[Any, ...] = (),
     nproc: int = 2,
     steps: int = DEFAULT_STEPS,
     dtype: str = "float64",
@@ -76,9 +88,9 @@ def check_equivalence(
     rtol: float | None = None,
     log_fn: LogFn = None,
 ) -> VerifyReport:
-    """Does `job` on `nproc` ranks with `config.batch_size` each compute what one process
-    computes with the global batch? `verify` describes the arguments; `atol`/`rtol`
-    default to TOLERANCES[dtype]."""
+    """Does `job` (or a hand-written `loop`) on `nproc` ranks with a batch each compute
+    what one process computes with the global batch? `verify` describes the arguments;
+    `atol`/`rtol` default to TOLERANCES[dtype]."""
     config = check_args(config, nproc, steps, minimum=1)
     if dtype not in TOLERANCES:
         raise ConfigError(f"dtype must be float64 or float32 (got {dtype!r})")
@@ -95,39 +107,52 @@ def check_equivalence(
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         folder = Path(tmp)
         (folder / "samples").mkdir()
-        say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
-        launch(
-            _equivalence_rank, job, config, steps, dtype, str(folder), nprocs=nproc, backend="gloo"
-        )
+        if loop is None:
+            say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
+            launch(
+                _equivalence_rank,
+                job,
+                config,
+                steps,
+                dtype,
+                str(folder),
+                nprocs=nproc,
+                backend="gloo",
+            )
+        else:
+            say(f"{steps} steps of the loop on {nproc} processes...")
+            launch(
+                _loop_rank,
+                (loop, loop_args),
+                steps,
+                dtype,
+                str(folder),
+                nprocs=nproc,
+                backend="gloo",
+            )
         ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
+        # A loop's batch size is the one it gave prepare_loader, and its steps may be fewer.
+        batch = config.batch_size if loop is None else ranks[0]["batch_size"]
+        steps = steps if loop is None else len(ranks[0]["digests"]) - 1
         if len({len(o) for r in ranks for o in r["orders"]}) > 1:
             raise ConfigError(
                 "verify needs every rank to get the same number of samples per epoch, but "
                 "the job's train_sampler gives ranks shards of different lengths: check it "
                 "with ddpkit's own sharding (no train_sampler)"
             )
-        keys = replay_keys([r["orders"] for r in ranks], config.batch_size)
-        say(f"the same {steps} steps on 1 process, batch {nproc * config.batch_size}...")
-        compared = launch(
-            _reference_rank,
-            job,
-            config,
-            steps,
-            dtype,
-            str(folder),
-            keys,
-            nproc,
-            atol,
-            rtol,
-            nprocs=1,
-            backend="gloo",
-        )
+        keys = replay_keys([r["orders"] for r in ranks], batch, one_recording=loop is not None)
+        say(f"the same {steps} steps on 1 process, batch {nproc * batch}...")
+        args = (steps, dtype, str(folder), keys, nproc, atol, rtol)
+        if loop is None:
+            compared = launch(_reference_rank, job, config, *args, nprocs=1, backend="gloo")
+        else:
+            compared = launch(_loop_reference, (loop, loop_args), *args, nprocs=1, backend="gloo")
     report = VerifyReport(
         "equivalence",
         passed=True,
         nproc=nproc,
         steps=steps,
-        batch_size=config.batch_size,
+        batch_size=batch,
         dtype=dtype,
         atol=atol,
         rtol=rtol,
@@ -161,7 +186,12 @@ def check_equivalence(
             "the ranks build different datasets; taken as each rank's own shard, since "
             "the job's train_sampler is not a DistributedSampler"
         )
-    report.causes = equivalence_causes(report, ranks, reference_draws=compared["draws"])
+    report.causes = equivalence_causes(
+        report,
+        ranks,
+        reference_draws=compared["draws"],
+        maker="build(ctx)" if loop is None else "the loop",
+    )
     report.passed = report.first_divergence is None and not report.causes
     return report
 
@@ -175,10 +205,11 @@ class _Record(Callback):
         self.folder, self.steps = folder, steps
         self.digests: list[dict[str, str]] = []
 
-    def _snap(self, trainer: Trainer, step: int) -> None:
-        state = snapshot(trainer.model)
-        params = dict(unwrap(trainer.model).named_parameters())
-        if not trainer.ctx.is_main:
+    def snap(self, model: nn.Module, ctx: DistContext, step: int) -> None:
+        """Keep the model as it is after `step` (0: before the first)."""
+        state = snapshot(model)
+        params = dict(unwrap(model).named_parameters())
+        if not ctx.is_main:
             self.digests.append({k: tensor_digest(v) for k, v in state.items() if k in params})
             return
         # sha256 lets go of the GIL on large buffers: rank 0 hashes while it saves,
@@ -191,10 +222,10 @@ class _Record(Callback):
             self.digests.append(digests.result())
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        self._snap(trainer, 0)
+        self.snap(trainer.model, trainer.ctx, 0)
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
-        self._snap(trainer, step)
+        self.snap(trainer.model, trainer.ctx, step)
         if step >= self.steps:
             raise Stop
 
@@ -214,11 +245,7 @@ def _equivalence_rank(
     batches = len(trainer.train_loader)
     per_epoch = math.ceil(batches / config.accumulate)
     orders, repeatable = _orders(trainer.train_loader.base_sampler, math.ceil(steps / per_epoch))
-    plain_bn = [
-        name
-        for name, m in unwrap(trainer.model).named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
-    ]
+    plain_bn = _plain_batchnorm(trainer.model)
     fit(trainer)
     facts = {
         "rank": ctx.rank,
@@ -231,6 +258,15 @@ def _equivalence_rank(
         "digests": record.digests,
     }
     Path(folder, f"rank-{ctx.rank}.json").write_text(json.dumps(facts))
+
+
+def _plain_batchnorm(model: nn.Module) -> list[str]:
+    """The BatchNorm layers that normalise each rank's batch alone."""
+    return [
+        name
+        for name, m in unwrap(model).named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
+    ]
 
 
 def _orders(sampler: Any, epochs: int) -> tuple[list[list[int]], bool]:
@@ -263,8 +299,10 @@ class _Compare(Callback):
         self.draws = False  # did a step draw from torch's, random's or numpy's RNG?
         self._rng = ""
 
-    def _compare(self, trainer: Trainer, step: int) -> None:
-        ours = snapshot(trainer.model)
+    def compare(self, model: nn.Module, step: int) -> None:
+        """Compare the model after `step` (0: before the first) with the N-rank run's;
+        raise Stop after the last step."""
+        ours = snapshot(model)
         theirs = torch.load(self.folder / f"step-{step}.pt", weights_only=True)
         if set(ours) != set(theirs):
             raise ConfigError(
@@ -288,7 +326,7 @@ class _Compare(Callback):
             worst, used = max(worst, max_abs), max(used, fraction)
             if not close and self.first is None:
                 self.first = {"step": step, "tensor": name, "max_abs": max_abs, "max_rel": max_rel}
-                self.first.update(self._update_ratio(trainer, ours, theirs))
+                self.first.update(self._update_ratio(model, ours, theirs))
         self.max_abs.append(worst)
         self.used.append(used)
         self.previous = ours
@@ -296,13 +334,13 @@ class _Compare(Callback):
             raise Stop
 
     def _update_ratio(
-        self, trainer: Trainer, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
+        self, model: nn.Module, ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]
     ) -> dict[str, float]:
         """How this step's update of the parameters compares between the two runs: a
         ratio of N (or 1/N) in the same direction means the gradient's scale is off."""
         if self.previous is None:
             return {}
-        names = [n for n, p in unwrap(trainer.model).named_parameters() if p.is_floating_point()]
+        names = [n for n, p in unwrap(model).named_parameters() if p.is_floating_point()]
         one = torch.cat([(ours[n] - self.previous[n]).double().flatten() for n in names])
         many = torch.cat([(theirs[n] - self.previous[n]).double().flatten() for n in names])
         norms = float(one.norm()) * float(many.norm())
@@ -314,15 +352,22 @@ class _Compare(Callback):
         }
 
     def on_fit_start(self, trainer: Trainer) -> None:
-        self._compare(trainer, 0)
+        self.compare(trainer.model, 0)
 
     def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
-        self._rng = state_digest(rng_state())
+        self.mark_rng()
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
+        self.after_step(trainer.model, step)
+
+    def mark_rng(self) -> None:
+        """Note the random state: a step that changes it drew random numbers."""
+        self._rng = state_digest(rng_state())
+
+    def after_step(self, model: nn.Module, step: int) -> None:
         rng = state_digest(rng_state())
         self.draws, self._rng = self.draws or rng != self._rng, rng
-        self._compare(trainer, step)
+        self.compare(model, step)
 
 
 def _reference_rank(
@@ -345,6 +390,153 @@ def _reference_rank(
     built.train_set = promote_data(Replay(Path(folder, "samples"), keys), dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
     fit(make_trainer(ctx, built, single, [compare], sampler=ReplaySampler(keys)))
+    return {
+        "first": compare.first,
+        "max_abs": compare.max_abs,
+        "used": compare.used,
+        "draws": compare.draws,
+    }
+
+
+# -- a loop written by hand with prepare_model and prepare_loader ----------------------
+class _LoopWatch:
+    """Sees what a hand-written loop prepares (see `ddpkit.parallel.watch`): its model,
+    with Dropout switched off and promoted to `dtype`, and its training data, recorded
+    on N ranks or `replayed` in one process; `on_step` runs after each optimizer step."""
+
+    def __init__(
+        self,
+        folder: Path,
+        rank: int,
+        dtype: str,
+        on_step: Callable[[nn.Module, int], None],
+        replay: tuple[list[list[SampleKey]], int] | None = None,
+    ) -> None:
+        self.folder, self.rank, self.dtype, self.on_step = folder, rank, dtype, on_step
+        self.replay = replay  # the keys of the recorded samples, and N
+        self.bare: nn.Module | None = None
+        self.switched = 0
+        self.data: dict[str, Any] = {}  # what the N-rank run learns about the data
+        self.step = 0
+
+    def model(self, model: nn.Module) -> nn.Module:
+        if self.bare is not None:
+            raise ConfigError(_ONE_MODEL)
+        if self.dtype == "float64":
+            model.double()  # in place: an optimizer built before keeps its parameters
+        for module in model.modules():
+            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+                module.p, self.switched = 0.0, self.switched + 1
+        self.bare = model
+        return model
+
+    def training_data(self, data: TrainingData) -> TrainingData:
+        if isinstance(data.dataset, IterableDataset):
+            raise ConfigError(_NOT_MAP_STYLE)
+        if self.data:
+            raise ConfigError(
+                "verify checks a loop with one training loader, and this one called "
+                "prepare_loader twice for training: pass evaluation=True to the other"
+            )
+        self.data["batch_size"] = data.batch_size
+        if self.replay is not None:  # one process: what the N ranks fetched, in their order
+            keys, nproc = self.replay
+            replayed = promote_data(Replay(self.folder / "samples", keys), self.dtype)
+            return TrainingData(
+                replayed, ReplaySampler(keys, by_pass=True), data.batch_size * nproc, 0
+            )
+        assert data.sampler is not None  # a map-style dataset gets ddpkit's sampler
+        self.data["probe"] = probe_dataset(data.dataset)  # leaves the RNGs as they were
+        self.data["shards_by_index"] = isinstance(data.sampler, DistributedSampler)
+        self.data["sampler"] = order = OrderOfPasses(data.sampler)
+        recorder = Recorder(data.dataset, self.folder / "samples", self.rank)
+        return TrainingData(
+            promote_data(recorder, self.dtype), order, data.batch_size, data.num_workers
+        )
+
+    def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.bare is None:
+            raise ConfigError(_ONE_MODEL)
+        if self.step == 0:  # the model that the first update starts from
+            self.on_step(self.bare, 0)
+
+    def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        assert self.bare is not None
+        self.step += 1
+        self.on_step(self.bare, self.step)
+
+    def run(self, loop: tuple[LoopRef, tuple[Any, ...]], ctx: DistContext) -> None:
+        """Run the loop function with `ctx` and its arguments until `on_step` raises
+        Stop (or the loop ends)."""
+        hooks = [
+            register_optimizer_step_pre_hook(self._before),
+            register_optimizer_step_post_hook(self._after),
+        ]
+        try:
+            with watching(self), contextlib.suppress(Stop):
+                resolve_loop(loop[0])(ctx, *loop[1])
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if self.bare is None or not self.data:
+            raise ConfigError(_ONE_MODEL)
+
+
+_ONE_MODEL = (
+    "verify checks a loop that builds one model with ddpkit.prepare_model and its "
+    "training data with ddpkit.prepare_loader, and steps an optimizer: use those in it"
+)
+
+
+def _loop_rank(
+    ctx: DistContext, loop: tuple[LoopRef, tuple[Any, ...]], steps: int, dtype: str, folder: str
+) -> None:
+    record = _Record(Path(folder), steps)
+
+    def on_step(model: nn.Module, step: int) -> None:
+        record.snap(model, ctx, step)
+        if step >= steps:
+            raise Stop
+
+    watch = _LoopWatch(Path(folder), ctx.rank, dtype, on_step)
+    watch.run(loop, ctx)
+    assert watch.bare is not None
+    facts = {
+        "rank": ctx.rank,
+        "batch_size": watch.data["batch_size"],
+        "probe": watch.data["probe"],
+        "shards_by_index": watch.data["shards_by_index"],
+        "dropout": watch.switched,
+        "plain_batchnorm": _plain_batchnorm(watch.bare),
+        "orders": watch.data["sampler"].orders,
+        "repeatable": True,  # the orders are those the sampler gave, pass by pass
+        "digests": record.digests,
+    }
+    Path(folder, f"rank-{ctx.rank}.json").write_text(json.dumps(facts))
+
+
+def _loop_reference(
+    ctx: DistContext,
+    loop: tuple[LoopRef, tuple[Any, ...]],
+    steps: int,
+    dtype: str,
+    folder: str,
+    keys: list[list[SampleKey]],
+    nproc: int,
+    atol: float,
+    rtol: float,
+) -> dict[str, Any]:
+    compare = _Compare(Path(folder), steps, atol, rtol)
+
+    def on_step(model: nn.Module, step: int) -> None:
+        if step == 0:
+            compare.compare(model, 0)
+            compare.mark_rng()
+        else:
+            compare.after_step(model, step)
+
+    watch = _LoopWatch(Path(folder), ctx.rank, dtype, on_step, replay=(keys, nproc))
+    watch.run(loop, ctx)
     return {
         "first": compare.first,
         "max_abs": compare.max_abs,

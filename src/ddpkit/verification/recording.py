@@ -30,6 +30,26 @@ def sample_file(folder: Path, key: SampleKey) -> Path:
     return folder / f"e{epoch}-r{rank}-i{index}-o{occurrence}.pt"
 
 
+class OrderOfPasses(Sampler[int]):
+    """A rank's sampler that keeps the order of indices it gives at each pass."""
+
+    def __init__(self, inner: Sampler[Any]) -> None:
+        self.inner = inner
+        self.orders: list[list[int]] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.inner, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        self.orders.append([int(i) for i in self.inner])
+        return iter(self.orders[-1])
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+
 class Recorder(Dataset[Any]):
     """The N-rank run's training set: the job's, saving each sample it returns.
 
@@ -71,17 +91,23 @@ class _EpochOf(Callback):
         self.recorder.epoch = epoch
 
 
-def replay_keys(orders: list[list[list[int]]], batch: int) -> list[list[SampleKey]]:
+def replay_keys(
+    orders: list[list[list[int]]], batch: int, *, one_recording: bool = False
+) -> list[list[SampleKey]]:
     """Per epoch, the one-process order of the recorded samples: its batch i is rank 0's
-    batch i, then rank 1's, ... (`orders[rank][epoch]` is a rank's order of indices)."""
+    batch i, then rank 1's, ... (`orders[rank][epoch]` is a rank's order of indices).
+    `one_recording`: the samples were recorded as one epoch 0, their occurrences
+    counted over all passes (a hand-written loop's, whose epochs verify cannot see)."""
     union = []
-    for epoch, ranks in enumerate(zip(*orders, strict=True)):
-        seen: Counter[tuple[int, int]] = Counter()
+    seen: Counter[tuple[int, int]] = Counter()
+    for epoch, ranks in enumerate(zip(*orders, strict=False)):
+        if not one_recording:
+            seen = Counter()
         keys: list[SampleKey] = []
         for start in range(0, len(ranks[0]), batch):
             for rank, order in enumerate(ranks):
                 for index in order[start : start + batch]:
-                    keys.append((epoch, rank, index, seen[rank, index]))
+                    keys.append((0 if one_recording else epoch, rank, index, seen[rank, index]))
                     seen[rank, index] += 1
         union.append(keys)
     return union
@@ -111,20 +137,31 @@ class Replay(Dataset[Any]):
 
 
 class ReplaySampler(Sampler[int]):
-    """Yields the positions in `Replay` of one epoch's recorded samples, in order."""
+    """Yields the positions in `Replay` of one epoch's recorded samples, in order: the
+    epoch that `set_epoch` set, or with `by_pass`, the next one at each pass (a loop
+    written by hand need not call set_epoch)."""
 
-    def __init__(self, keys: list[list[SampleKey]]) -> None:
+    def __init__(self, keys: list[list[SampleKey]], *, by_pass: bool = False) -> None:
         self.epochs: list[range] = []
         start = 0
         for epoch in keys:
             self.epochs.append(range(start, start + len(epoch)))
             start += len(epoch)
         self.epoch = 0
+        self.by_pass, self.passes = by_pass, 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = min(epoch, len(self.epochs) - 1)
+        if not self.by_pass:
+            self.epoch = min(epoch, len(self.epochs) - 1)
 
     def __iter__(self) -> Iterator[int]:
+        if self.by_pass:
+            if self.passes >= len(self.epochs):
+                raise RuntimeError(
+                    "the one-process run passed over its data more often than the N ranks "
+                    "did: does the loop's number of epochs depend on the number of ranks?"
+                )
+            self.epoch, self.passes = self.passes, self.passes + 1
         return iter(self.epochs[self.epoch])
 
     def __len__(self) -> int:

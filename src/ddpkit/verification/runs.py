@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,10 +21,25 @@ from ddpkit.parallel.model import unwrap
 from ddpkit.processes.machine import under_torchrun
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job, JobRef, build_job
+from ddpkit.training.jobspec import load_function
 from ddpkit.training.trainer import Callback, Trainer
 
 DEFAULT_STEPS = 8
 LogFn = Callable[[str], None] | None
+# A training loop written by hand, `main(ctx)`, or "MODULE:FUNCTION" / "file.py:FUNCTION".
+LoopRef = Callable[[DistContext], Any] | str
+
+
+def resolve_loop(loop: LoopRef) -> Callable[[DistContext], Any]:
+    """The loop function that `loop` is or names (loaded as `--job` specs are)."""
+    if callable(loop):
+        return loop
+    try:
+        return cast(Callable[[DistContext], Any], load_function(loop)[0])
+    except ConfigError as exc:  # the loader's words are a job's: say them of a loop
+        text = str(exc).replace("--job", "--loop").replace(":build", ":main")
+        text = text.replace("build(ctx) returns a ddpkit.Job", "main(ctx) trains")
+        raise ConfigError(text) from None
 
 
 def check_args(config: TrainConfig | None, nproc: int, steps: int, minimum: int) -> TrainConfig:
