@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import IterableDataset
+from torch.utils.data import IterableDataset, TensorDataset
 
 import ddpkit
 from ddpkit.errors import ConfigError, Preempted
+from ddpkit.parallel.data import ReplacementSampler, _rest_of_epoch, global_order
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import build_job
 from tests.conftest import run_cli
@@ -75,6 +76,27 @@ def test_the_gpt_example_trains_by_steps_evaluates_and_keeps_the_best(tmp_path: 
     )
 
 
+# -- a map-style dataset drawn with replacement -----------------------------------------------
+def test_draws_with_replacement_are_one_sequence_shared_out_over_the_ranks() -> None:
+    data = TensorDataset(torch.arange(10))
+    ranks = [ReplacementSampler(data, num_replicas=2, rank=r, seed=3) for r in range(2)]
+    for sampler in ranks:
+        sampler.set_epoch(1)
+    orders = [list(s) for s in ranks]
+    draws = global_order(ranks[0])
+    assert len(draws) == 10 and len(set(draws)) < 10  # with replacement: repeats
+    assert orders == [draws[0::2], draws[1::2]]
+    ranks[0].set_epoch(2)
+    assert list(ranks[0]) != orders[0]  # each epoch draws anew
+    # A resume on another number of ranks shares out the rest of the same draws.
+    one = ReplacementSampler(data, num_replicas=1, rank=0, seed=3)
+    one.set_epoch(1)
+    assert _rest_of_epoch(ranks[1], 4) == draws[4:][1::2]
+    assert list(one) == draws
+    with pytest.raises(ConfigError, match="replacement=True draws the training order itself"):
+        ddpkit.prepare_loader(data, batch_size=2, replacement=True, evaluation=True)
+
+
 # -- exact resume after a signal, on 2 ranks ---------------------------------------------------
 class _SignalRank1(ddpkit.Callback):
     """SIGTERM to rank 1's own process after step `at`, as a cluster's preemption does."""
@@ -91,6 +113,7 @@ def _gpt(ctx: ddpkit.DistContext, folder: str, phase: str, stop_at: int) -> dict
     config = TrainConfig(
         max_steps=40,  # the signal's vote comes some steps after it (~0.1 s)
         batch_size=8,
+        replacement=True,  # random windows, as the example's DEFAULTS draw them
         eval_every_steps=8,
         keep_best="eval_loss",
         checkpoint_dir=str(Path(folder, "ck")),

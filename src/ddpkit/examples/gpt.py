@@ -27,6 +27,7 @@ DEFAULTS = {
     "eval_every_steps": 50,
     "log_every": 10,
     "scheduler_interval": "step",
+    "replacement": True,  # random windows, as nanoGPT's get_batch draws them
 }
 VOCAB, BLOCK, WIDTH, HEADS, LAYERS = 32, 32, 64, 4, 2
 

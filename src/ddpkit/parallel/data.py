@@ -196,12 +196,8 @@ def _rest_of_epoch(sampler: Any, start: int) -> list[int]:
     first `start` samples this is exactly what the rank would have taken next.
     """
     dist_sampler = cast(DistributedSampler[Any], sampler)
-    size, world = len(dist_sampler.dataset), dist_sampler.num_replicas  # type: ignore[arg-type]
-    if dist_sampler.shuffle:
-        generator = torch.Generator().manual_seed(dist_sampler.seed + dist_sampler.epoch)
-        order = torch.randperm(size, generator=generator).tolist()
-    else:
-        order = list(range(size))
+    world = dist_sampler.num_replicas
+    order = global_order(dist_sampler)
     rest = order[start:]
     if dist_sampler.drop_last:
         rest = rest[: len(rest) - len(rest) % world]
@@ -209,6 +205,34 @@ def _rest_of_epoch(sampler: Any, start: int) -> list[int]:
         padding = world - len(rest) % world
         rest += (order * math.ceil(padding / len(order)))[:padding]
     return rest[dist_sampler.rank :: world]
+
+
+def global_order(sampler: DistributedSampler[Any]) -> list[int]:
+    """The epoch's order of a DistributedSampler over all ranks, before padding: a
+    permutation of the dataset (or its order, without shuffling); or, for a
+    `ReplacementSampler`, its draws."""
+    size = len(sampler.dataset)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(sampler.seed + sampler.epoch)
+    if isinstance(sampler, ReplacementSampler):
+        return torch.randint(size, (size,), generator=generator).tolist()
+    if sampler.shuffle:
+        return torch.randperm(size, generator=generator).tolist()
+    return list(range(size))
+
+
+class ReplacementSampler(DistributedSampler[Any]):
+    """Training samples drawn with replacement, as nanoGPT draws random windows of its
+    token stream, and sharded: each epoch draws one sequence of len(dataset) indices from
+    `seed` and the epoch, the same on every rank, and rank r takes every W-th of it
+    (from r), so the ranks' shares are as long as DistributedSampler's."""
+
+    def __iter__(self) -> Iterator[Any]:
+        order = global_order(self)
+        if self.drop_last:
+            order = order[: self.total_size]
+        else:
+            order += order[: self.total_size - len(order)]
+        return iter(order[self.rank : self.total_size : self.num_replicas])
 
 
 class _SeededSamples(Dataset[Any]):
@@ -307,6 +331,7 @@ def prepare_loader(
     *,
     shuffle: bool | None = None,
     evaluation: bool = False,
+    replacement: bool = False,
     seed: int = 0,
     drop_last: bool = False,
     sampler: Sampler[Any] | None = None,
@@ -345,6 +370,8 @@ def prepare_loader(
             with `sampler` or `evaluation`).
         evaluation: shard without padding or dropping, so that every sample is counted
             exactly once over all ranks (ranks may get one sample more than others).
+        replacement: draw the training samples with replacement (`ReplacementSampler`:
+            nanoGPT's random windows), as many each epoch as the dataset holds.
         seed: the seed of the shuffled order, the same on every rank.
         drop_last: drop each rank's last incomplete batch.
         sampler: your own sampler, used instead of ddpkit's; it must shard by itself.
@@ -375,7 +402,9 @@ def prepare_loader(
         ):
             # The script's stream knows nothing of ranks: each rank takes its batches.
             inner = _DealtStream(inner, kept["batch_size"], ctx.rank, ctx.world_size)
-        return prepare_loader(inner, ctx, **kept, evaluation=evaluation, seed=seed)
+        return prepare_loader(
+            inner, ctx, **kept, evaluation=evaluation, replacement=replacement, seed=seed
+        )
     if batch_size is None:
         raise ConfigError("prepare_loader needs a batch_size for a dataset: pass batch_size=32")
     if batch_size < 1:
@@ -389,6 +418,11 @@ def prepare_loader(
         )
     if evaluation and shuffle:
         raise ConfigError("shuffle=True has no use in evaluation mode: drop it")
+    if replacement and (evaluation or sampler is not None or shuffle is False):
+        raise ConfigError(
+            "replacement=True draws the training order itself: drop it, or drop "
+            "evaluation, sampler or shuffle=False"
+        )
     if evaluation and ctx.distributed and isinstance(dataset, IterableDataset):
         # ddpkit cannot tell whether the stream shards itself: every rank may evaluate
         # all of it, or each its share, and the counts would be silently wrong.
@@ -407,7 +441,7 @@ def prepare_loader(
                     f"the training set has {size} sample(s) but there are {ctx.world_size} "
                     f"ranks, so some rank would get none: use a larger dataset or --nproc {size}"
                 )
-            sampler = DistributedSampler(
+            sampler = (ReplacementSampler if replacement else DistributedSampler)(
                 dataset,
                 num_replicas=ctx.world_size,
                 rank=ctx.rank,

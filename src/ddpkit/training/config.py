@@ -116,6 +116,12 @@ class TrainConfig:
     """DataLoader worker processes per rank; 0 loads data in the training process."""
     drop_last: bool = _opt(False, "drop each rank's last incomplete batch")
     """Skip each rank's last batch when it is smaller than `batch_size`."""
+    replacement: bool = _opt(
+        False, "draw training samples with replacement (nanoGPT's random windows)"
+    )
+    """Draw each epoch's training samples at random with replacement, as many as the
+    dataset holds, as nanoGPT draws random windows of its token stream; sharded, so the
+    ranks take disjoint places of one sequence of draws (`ReplacementSampler`)."""
     sync_batchnorm: bool = _opt(True, "synchronize BatchNorm statistics across ranks")
     """Compute BatchNorm statistics over the batches of all ranks, not each rank's own."""
     find_unused_parameters: bool = _opt(False, "let DDP handle parameters that get no gradient")

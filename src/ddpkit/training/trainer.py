@@ -270,6 +270,7 @@ class Trainer:
             config.batch_size,
             seed=config.seed,
             sampler=train_sampler,
+            replacement=config.replacement,
             num_workers=config.num_workers,
             drop_last=config.drop_last,
             collate_fn=collate_fn,

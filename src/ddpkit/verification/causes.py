@@ -46,10 +46,14 @@ def equivalence_causes(
                 else "(seed every rank alike, ddpkit.seed_everything(0), not with ctx.rank)"
             )
         )
-    shared = set(ranks[0]["orders"][0]).intersection(*(r["orders"][0] for r in ranks[1:]))
+    firsts = [r["orders"][0] for r in ranks]
+    shared = set(firsts[0]).intersection(*firsts[1:])
     # DistributedSampler repeats at most n - 1 samples as padding; ranks whose datasets
-    # differ may use the same indices (each its own shard).
-    if len(shared) >= n and not differ:
+    # differ may use the same indices (each its own shard); draws with replacement
+    # repeat indices anyway, and are unsharded only when every rank draws the same.
+    replacement = ranks[0].get("replacement", False)
+    unsharded = all(f == firsts[0] for f in firsts) if replacement else len(shared) >= n
+    if unsharded and not differ:
         causes.append(
             f"data is not sharded: all {n} ranks train on the same {len(shared)} samples "
             f"of their {len(ranks[0]['orders'][0])} in epoch 1, so {n} ranks do the work "

@@ -30,6 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ddpkit.checkpoint.digest import state_digest, tensor_digest
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.data import ReplacementSampler
 from ddpkit.parallel.model import unwrap
 from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.parallel.watch import TrainingData, watching
@@ -251,6 +252,7 @@ def _equivalence_rank(
         "rank": ctx.rank,
         "probe": probe,
         "shards_by_index": isinstance(trainer.train_loader.base_sampler, DistributedSampler),
+        "replacement": isinstance(trainer.train_loader.base_sampler, ReplacementSampler),
         "dropout": switched,
         "plain_batchnorm": plain_bn,
         "orders": orders,
@@ -385,7 +387,8 @@ def _reference_rank(
     # Loading files needs no worker processes, and draws no random numbers. The job is
     # built with the config it runs with: a build(ctx, config) may size its schedule
     # from the batch size.
-    single = replace(config, batch_size=config.batch_size * nproc, num_workers=0)
+    # The replayed order is the N ranks' draws: none of its own (replacement).
+    single = replace(config, batch_size=config.batch_size * nproc, num_workers=0, replacement=False)
     built, _ = build(ctx, job, single, dtype)
     built.train_set = promote_data(Replay(Path(folder, "samples"), keys), dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
@@ -448,6 +451,7 @@ class _LoopWatch:
         assert data.sampler is not None  # a map-style dataset gets ddpkit's sampler
         self.data["probe"] = probe_dataset(data.dataset)  # leaves the RNGs as they were
         self.data["shards_by_index"] = isinstance(data.sampler, DistributedSampler)
+        self.data["replacement"] = isinstance(data.sampler, ReplacementSampler)
         self.data["sampler"] = order = OrderOfPasses(data.sampler)
         recorder = Recorder(data.dataset, self.folder / "samples", self.rank)
         return TrainingData(
@@ -506,6 +510,7 @@ def _loop_rank(
         "batch_size": watch.data["batch_size"],
         "probe": watch.data["probe"],
         "shards_by_index": watch.data["shards_by_index"],
+        "replacement": watch.data["replacement"],
         "dropout": watch.switched,
         "plain_batchnorm": _plain_batchnorm(watch.bare),
         "orders": watch.data["sampler"].orders,
