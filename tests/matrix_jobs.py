@@ -69,6 +69,9 @@ FEATURES = (
     "batchnorm_nosync",  # a BatchNorm model, sync_batchnorm=False
     "workers_augment",  # num_workers=2, torch.rand noise added in __getitem__
     "hand_loop",  # no Trainer: accumulate, Precision("bf16"), clipping, save_state/load_state
+    # Trained by steps: max_steps ends inside the third epoch (no epochs given), draws
+    # with replacement, an evaluation every 2 steps that keeps the best checkpoint.
+    "by_steps",
 )
 
 
@@ -181,7 +184,7 @@ def build(
         train_set=Samples(augment=feature == "workers_augment"),
         scheduler=step_lr,
     )
-    if feature == "eval_uneven":
+    if feature in ("eval_uneven", "by_steps"):
         job.eval_set = Samples(EVAL_SAMPLES, seed=2)
     elif feature in ("uneven_map", "uneven_accumulate"):
         job.train_sampler = UnevenSampler(SAMPLES, ctx.rank, ctx.world_size)
@@ -221,6 +224,15 @@ def options(strategy: str, feature: str) -> dict[str, Any]:
         "progress": False,
     }
     opts.update(FEATURE_OPTIONS.get(feature, {}))
+    if feature == "by_steps":
+        per_epoch = SAMPLES // (BATCH * STRATEGIES[strategy][0])
+        opts.update(
+            epochs=None,
+            max_steps=EPOCHS * per_epoch + per_epoch // 2,
+            eval_every_steps=2,
+            keep_best="eval_loss",
+            replacement=True,
+        )
     return opts
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,18 @@ def test_the_gpt_example_trains_by_steps_evaluates_and_keeps_the_best(tmp_path: 
     assert (
         torch.load(ck / "ckpt-000000012.pt", weights_only=True)["extra"]["best"] == evals[best_step]
     )
+
+
+def test_the_progress_bar_of_a_run_by_steps_counts_steps(tmp_path: Path) -> None:
+    out = run_cli(
+        *("train", "--example", "gpt", "--nproc", "1", "--batch-size", "4"),
+        *("--max-steps", "6", "--eval-every-steps", "0", "--progress"),
+    )
+    assert out.returncode == 0, out.stderr
+    # tqdm redraws the bar in place: each state of it is in the stream, up to 6 of 6.
+    assert re.search(r"epoch 1: +\d+%\|[^\r\n]*\| \d/6 ", out.stderr), out.stderr[-2000:]
+    # Not the epoch's 1,800 batches (the eval bar counts its own batches).
+    assert not re.search(r"epoch 1:[^\r\n]*/\d{3,} ", out.stderr)
 
 
 # -- a map-style dataset drawn with replacement -----------------------------------------------

@@ -715,8 +715,16 @@ class Trainer:
         )
         if batches >= longest:
             return
-        # The eval set's first sample stands in (a rank may have had none at all).
-        first = DataLoader(loader.dataset, batch_size=1, collate_fn=loader.collate_fn)
+        # The eval set's first sample stands in (a rank may have had none at all). The
+        # loader draws its seed from a generator of its own: from the global one, it
+        # would move this rank's random stream (and a resume that evaluates again, at
+        # the end of the epoch it saved in, would then drift from the straight run).
+        first = DataLoader(
+            loader.dataset,
+            batch_size=1,
+            collate_fn=loader.collate_fn,
+            generator=torch.Generator().manual_seed(0),
+        )
         stand_in = to_device(next(iter(first)), self.ctx.device)
         for _ in range(longest - batches):
             with self.precision.autocast():
