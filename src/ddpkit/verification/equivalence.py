@@ -353,6 +353,15 @@ class _Compare(Callback):
             "update_cosine": float(one @ many) / norms,
         }
 
+    def result(self) -> dict[str, Any]:
+        """What the comparisons found, for the report."""
+        return {
+            "first": self.first,
+            "max_abs": self.max_abs,
+            "used": self.used,
+            "draws": self.draws,
+        }
+
     def on_fit_start(self, trainer: Trainer) -> None:
         self.compare(trainer.model, 0)
 
@@ -393,12 +402,7 @@ def _reference_rank(
     built.train_set = promote_data(Replay(Path(folder, "samples"), keys), dtype)
     compare = _Compare(Path(folder), steps, atol, rtol)
     fit(make_trainer(ctx, built, single, [compare], sampler=ReplaySampler(keys)))
-    return {
-        "first": compare.first,
-        "max_abs": compare.max_abs,
-        "used": compare.used,
-        "draws": compare.draws,
-    }
+    return compare.result()
 
 
 # -- a loop written by hand with prepare_model and prepare_loader ----------------------
@@ -542,9 +546,4 @@ def _loop_reference(
 
     watch = _LoopWatch(Path(folder), ctx.rank, dtype, on_step, replay=(keys, nproc))
     watch.run(loop, ctx)
-    return {
-        "first": compare.first,
-        "max_abs": compare.max_abs,
-        "used": compare.used,
-        "draws": compare.draws,
-    }
+    return compare.result()
