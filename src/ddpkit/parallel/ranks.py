@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -55,10 +56,21 @@ def print(  # ddpkit.print: the builtin, on rank 0
         if rank == 0:
             builtins.print(*args, **print_kwargs)
         return
-    sep = print_kwargs.pop("sep", None)
+    sep, end = print_kwargs.pop("sep", None), print_kwargs.pop("end", None)
+    file, flush = print_kwargs.pop("file", None) or sys.stdout, print_kwargs.pop("flush")
+    if print_kwargs:  # as the builtin says it
+        raise TypeError(f"print() got an unexpected keyword argument {next(iter(print_kwargs))!r}")
+    if file is None:  # no stdout at all (pythonw): the builtin prints nothing either
+        return
     text = (" " if sep is None else sep).join(str(a) for a in args)
     prefix = f"[rank {rank}] "
-    builtins.print("\n".join(prefix + line for line in text.split("\n")), **print_kwargs)
+    text = "\n".join(prefix + line for line in text.split("\n")) + ("\n" if end is None else end)
+    # One write of the whole text: the builtin writes `end` apart, and where output is
+    # unbuffered (PYTHONUNBUFFERED, `python -u`) another rank's line, sharing the
+    # terminal or pipe, landed between the two, cutting both.
+    file.write(text)
+    if flush:
+        file.flush()
 
 
 def barrier() -> None:
