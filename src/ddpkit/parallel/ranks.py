@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import os
 import sys
 import weakref
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.processes.output import PREFIX_ENV
 from ddpkit.processes.watchdog import expect
 
 T = TypeVar("T")
@@ -42,10 +44,13 @@ def print(  # ddpkit.print: the builtin, on rank 0
 ) -> None:
     """`print` on rank 0 only, so a job of N processes prints each line once.
 
-    With `all_ranks=True` every rank prints, each line prefixed with `[rank r] `. The
-    rank comes from `ctx`, else from the initialised process group; with neither, this
-    is the one process and it prints. Output is flushed, so lines show up while the job
-    runs. Not a collective: call it on any rank, as often as you like::
+    With `all_ranks=True` every rank prints, each line prefixed with `[rank r] ` (under
+    `ddpkit run`, which puts that prefix before every line, it is not doubled), and
+    each call's whole text is written at once, so the ranks' lines never cut each
+    other. The rank comes from `ctx`, else from the initialised process group; with
+    neither, this is the one process and it prints. Output is flushed, so lines show
+    up while the job runs. Not a collective: call it on any rank, as often as you
+    like::
 
         ddpkit.print(f"epoch {epoch}: loss {loss:.4f}")            # once
         ddpkit.print("batches here:", len(loader), all_ranks=True)  # [rank 1] batches here: 32
@@ -63,7 +68,7 @@ def print(  # ddpkit.print: the builtin, on rank 0
     if file is None:  # no stdout at all (pythonw): the builtin prints nothing either
         return
     text = (" " if sep is None else sep).join(str(a) for a in args)
-    prefix = f"[rank {rank}] "
+    prefix = "" if os.environ.get(PREFIX_ENV) == "1" else f"[rank {rank}] "
     text = "\n".join(prefix + line for line in text.split("\n")) + ("\n" if end is None else end)
     # One write of the whole text: the builtin writes `end` apart, and where output is
     # unbuffered (PYTHONUNBUFFERED, `python -u`) another rank's line, sharing the
