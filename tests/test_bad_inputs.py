@@ -323,6 +323,44 @@ ROWS = [
     Row("script-is-fifo", ("run", "fifo.py"), "is a FIFO", needs=("fifo.py",)),
     Row("run-nproc-100000", ("run", "--nproc", "100000", "s.py"), "more than 4 x", needs=("s.py",)),
     Row(
+        "local-ranks-filter-5",
+        ("run", "--nproc", "2", "--local-ranks-filter", "5", "s.py"),
+        "--local-ranks-filter 5: there is no local rank 5 with --nproc 2 (local ranks 0 to 1): "
+        "pass local ranks from 0 to 1, such as --local-ranks-filter 0",
+        needs=("s.py",),
+    ),
+    Row(
+        "local-ranks-filter-word",
+        ("run", "--local-ranks-filter", "zero", "s.py"),
+        "--local-ranks-filter 'zero' is not a comma list of local ranks: pass numbers, "
+        "such as --local-ranks-filter 0 or 0,1",
+        needs=("s.py",),
+    ),
+    Row(
+        "local-ranks-filter-empty",
+        ("run", "--local-ranks-filter", "", "s.py"),
+        "--local-ranks-filter '' names no local rank",
+        needs=("s.py",),
+    ),
+    Row(
+        "log-dir-is-file",
+        ("run", "--nproc", "1", "--log-dir", "afile", "s.py"),
+        "log_dir 'afile' is a file, not a folder: pass --log-dir with a new or existing folder",
+        needs=("s.py", "afile"),
+    ),
+    Row(
+        "log-dir-under-file",
+        ("run", "--nproc", "1", "--log-dir", "afile/logs", "s.py"),
+        "log_dir 'afile/logs' cannot be made: 'afile' is a file",
+        needs=("s.py", "afile"),
+    ),
+    Row(
+        "log-dir-with-bad-filter",  # the folder is not made when another flag is wrong
+        ("run", "--nproc", "2", "--log-dir", "newlogs", "--local-ranks-filter", "2", "s.py"),
+        "there is no local rank 2",
+        needs=("s.py",),
+    ),
+    Row(
         "script-unreadable",
         ("run", "--nproc", "1", "unreadable.py"),
         "script 'unreadable.py' cannot be read: Permission denied",

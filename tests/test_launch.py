@@ -430,10 +430,13 @@ def test_under_ddpkit_run_code_after_launch_runs_once(tmp_path: Path) -> None:
     script.write_text(_AFTER_LAUNCH_SCRIPT)
     out = run_cli("run", "--nproc", "2", str(script))
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert sorted(line for line in lines if line.startswith("before")) == ["before 0", "before 1"]
-    assert [line for line in lines if line.startswith("result")] == ["result (0, 3)"]
-    again = [line for line in lines if line.startswith("again:")]
+    lines = out.stdout.splitlines()  # each after its rank, as ddpkit run shows it
+    assert sorted(line for line in lines if "before" in line) == [
+        "[rank 0] before 0",
+        "[rank 1] before 1",
+    ]
+    assert [line for line in lines if "result" in line] == ["[rank 0] result (0, 3)"]
+    again = [line for line in lines if line.startswith("[rank 0] again:")]
     assert len(again) == 1 and "launch once" in again[0], out.stdout
 
 

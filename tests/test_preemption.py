@@ -30,9 +30,14 @@ LINEAR_JOB = ("train", "--example", "linear", "--nproc", "2", "--epochs", str(EP
 TRIALS = 6
 
 
+def _bare(line: str) -> str:
+    """`line` without the `[rank N] ` that `ddpkit run` puts before each rank's line."""
+    return re.sub(r"^\[rank \d+\] ", "", line)
+
+
 def _digest(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode == 0, proc.stderr
-    return str(json.loads(proc.stdout.strip().splitlines()[-1])["model_digest"])
+    return str(json.loads(_bare(proc.stdout.strip().splitlines()[-1]))["model_digest"])
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +55,9 @@ def _workers(parent: int) -> list[int]:
 
 def _line_after_start(stdout: IO[str]) -> str:
     """The line after the Trainer's start line ("training: 2 processes ...")."""
-    line = stdout.readline()
+    line = _bare(stdout.readline())
     assert line.startswith("training: "), line
-    return stdout.readline()
+    return _bare(stdout.readline())
 
 
 def _interrupt(folder: Path, rng: random.Random, target: str) -> tuple[int, bool]:
@@ -313,7 +318,7 @@ def test_ddpkit_run_saves_on_a_signal_and_resumes(
     )
     assert resumed.returncode == straight.returncode == 0, resumed.stderr + straight.stderr
     assert resumed.stdout.splitlines()[-1] == straight.stdout.splitlines()[-1]
-    assert resumed.stdout.splitlines()[-1].startswith("digest ")
+    assert _bare(resumed.stdout.splitlines()[-1]).startswith("digest ")
 
 
 @pytest.mark.slow
@@ -398,7 +403,7 @@ def test_the_sbatch_command_saves_on_usr1_and_its_requeued_run_resumes(
     cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "-m", "ddpkit", *train]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    assert proc.stdout.readline().startswith("no checkpoint in")  # the first run
+    assert _bare(proc.stdout.readline()).startswith("no checkpoint in")  # the first run
     assert _line_after_start(proc.stdout).startswith("epoch 1/")
     os.kill(proc.pid, signal.SIGUSR1)
     _, err = proc.communicate(timeout=120)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,6 +102,11 @@ def _script(tmp_path: Path, name: str, body: str) -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(body))
     return path
+
+
+def _bare_lines(stdout: str) -> list[str]:
+    """The lines the ranks printed, without the `[rank N] ` that ddpkit run puts first."""
+    return [re.sub(r"^\[rank \d+\] ", "", line) for line in stdout.splitlines()]
 
 
 def _pids(tmp_path: Path) -> list[int]:
@@ -341,7 +347,7 @@ def test_two_nodes_on_one_machine_train_together(tmp_path: Path) -> None:
     outs = [n.communicate(timeout=180) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs
     results = [
-        json.loads(line) for out, _ in outs for line in out.splitlines() if line.startswith("{")
+        json.loads(line) for out, _ in outs for line in _bare_lines(out) if line.startswith("{")
     ]
     assert len(results) == 1  # one job, one result
     alone = json.loads(
@@ -362,7 +368,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_resumes_exactly(tmp_path: Path
             "run", "--nproc", "2", "--max-restarts", "1", str(script), str(tmp_path / folder), kill
         )
         assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        return json.loads(_bare_lines(out.stdout)[-1])  # type: ignore[no-any-return]
 
     straight = job("a", "no")
     killed = job("b", "kill")
@@ -559,4 +565,4 @@ def test_rank_0_idle_after_launch_while_the_others_ended_is_not_a_hang(tmp_path:
     )
     out = run_cli("run", "--nproc", "2", "--hang-timeout", "3", str(script))
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["done 2"], out.stdout
+    assert out.stdout.splitlines() == ["[rank 0] done 2"], out.stdout

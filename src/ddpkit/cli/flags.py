@@ -4,16 +4,18 @@ Every TrainConfig field is a flag (`--batch-size`, `--precision`, ...); a TOML f
 given with `--config` sets any of them, and flags given on the command line win.
 `--nproc`, `--hang-timeout` and `--allow-oversubscribe` (also `ddpkit run`'s) say how
 many processes start and how they are watched (`ddpkit.processes.config.LaunchConfig`
-checks the values).
+checks the values); `check_folder` checks a folder flag (`--run-dir`, `--log-dir`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
@@ -198,3 +200,24 @@ def check_processes(flag: str, count: int, *, allow: bool) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+def check_folder(name: str, path: str) -> None:
+    """ConfigError unless option `name`'s `path` is a folder, or can be made one, where
+    this user may write. Creates nothing."""
+    folder = Path(path)
+    existing = folder  # the folder, or the nearest parent that exists
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    flag = "--" + name.replace("_", "-")
+    if not existing.is_dir():
+        where = "is" if existing == folder else f"cannot be made: {str(existing)!r} is"
+        raise ConfigError(
+            f"{name} {path!r} {where} a file, not a folder: pass {flag} with a new or "
+            "existing folder"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{name} {path!r} cannot be written: no write permission in {str(existing)!r}: "
+            f"pass {flag} with a folder you can write to"
+        )

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.cli.flags import add_process_flags, check_processes
+from ddpkit.cli.flags import add_process_flags, check_folder, check_processes
 from ddpkit.errors import ConfigError
-from ddpkit.processes.config import LaunchConfig
+from ddpkit.processes.config import LaunchConfig, parse_local_ranks
 from ddpkit.processes.slurm import slurm_step
 from ddpkit.userfiles import kind_of
 
@@ -57,6 +57,24 @@ def add_parser(sub: Any) -> None:
         help="seconds to wait for the other nodes (default 300)",
     )
     add_process_flags(p)
+    p.add_argument(
+        "--rank-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start each line a rank prints with [rank N] (default: when the job has more "
+        "than one rank)",
+    )
+    p.add_argument(
+        "--local-ranks-filter",
+        metavar="R[,R...]",
+        help="show only these local ranks' output on the console, e.g. 0 (the others' "
+        "still goes to their logs)",
+    )
+    p.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="write each rank's output, stdout and stderr, to DIR/rank<N>.log",
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -73,12 +91,20 @@ def run(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
         hang_timeout=args.hang_timeout,
         rdzv_timeout=args.rdzv_timeout,
+        rank_prefix=args.rank_prefix,
+        local_ranks_filter=None
+        if args.local_ranks_filter is None
+        else parse_local_ranks(args.local_ranks_filter),
+        log_dir=args.log_dir,
     )
     command, nproc = _validate(args)
+    settings = dataclasses.replace(settings, nprocs=nproc)  # --local-ranks-filter checked
+    if settings.log_dir is not None:
+        check_folder("log_dir", settings.log_dir)  # made when the job starts
     from ddpkit.processes.agent import run_script  # torch: once the flags are good
     from ddpkit.processes.workers import exit_now
 
-    code = run_script(command, dataclasses.replace(settings, nprocs=nproc))
+    code = run_script(command, settings)
     # No interpreter shutdown, as for the workers: torch's threads (the store client
     # of the hang watch on several nodes) can turn it into an abort after a clean run.
     exit_now(code)

@@ -13,18 +13,18 @@ import math
 import os
 import shlex
 import sys
-from pathlib import Path
 from typing import Any
 
 from ddpkit.cli.flags import (
     add_config_flags,
     add_job_flags,
     add_process_flags,
+    check_folder,
     check_processes,
     job_and_config,
     print_job_help,
 )
-from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, Preempted
+from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, Preempted
 from ddpkit.processes.config import LaunchConfig
 from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
 
@@ -156,27 +156,6 @@ def _what_is_saved(config: Any) -> str:
     if not saved:
         return f"no checkpoint was written yet in {config.checkpoint_dir}"
     return f"the newest checkpoint is {saved[-1]}; to continue from it: {_resume_command(config)}"
-
-
-def check_folder(name: str, path: str) -> None:
-    """ConfigError unless option `name`'s `path` is a folder, or can be made one, where
-    this user may write. Creates nothing."""
-    folder = Path(path)
-    existing = folder  # the folder, or the nearest parent that exists
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    flag = "--" + name.replace("_", "-")
-    if not existing.is_dir():
-        where = "is" if existing == folder else f"cannot be made: {str(existing)!r} is"
-        raise ConfigError(
-            f"{name} {path!r} {where} a file, not a folder: pass {flag} with a new or "
-            "existing folder"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{name} {path!r} cannot be written: no write permission in {str(existing)!r}: "
-            f"pass {flag} with a folder you can write to"
-        )
 
 
 def train_worker(ctx: Any, job_name: str, config: Any) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import os
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.processes.output import PREFIX_ENV
 from ddpkit.processes.watchdog import expect
 
 T = TypeVar("T")
@@ -41,10 +44,13 @@ def print(  # ddpkit.print: the builtin, on rank 0
 ) -> None:
     """`print` on rank 0 only, so a job of N processes prints each line once.
 
-    With `all_ranks=True` every rank prints, each line prefixed with `[rank r] `. The
-    rank comes from `ctx`, else from the initialised process group; with neither, this
-    is the one process and it prints. Output is flushed, so lines show up while the job
-    runs. Not a collective: call it on any rank, as often as you like::
+    With `all_ranks=True` every rank prints, each line prefixed with `[rank r] ` (under
+    `ddpkit run`, which puts that prefix before every line, it is not doubled), and
+    each call's whole text is written at once, so the ranks' lines never cut each
+    other. The rank comes from `ctx`, else from the initialised process group; with
+    neither, this is the one process and it prints. Output is flushed, so lines show
+    up while the job runs. Not a collective: call it on any rank, as often as you
+    like::
 
         ddpkit.print(f"epoch {epoch}: loss {loss:.4f}")            # once
         ddpkit.print("batches here:", len(loader), all_ranks=True)  # [rank 1] batches here: 32
@@ -55,10 +61,21 @@ def print(  # ddpkit.print: the builtin, on rank 0
         if rank == 0:
             builtins.print(*args, **print_kwargs)
         return
-    sep = print_kwargs.pop("sep", None)
+    sep, end = print_kwargs.pop("sep", None), print_kwargs.pop("end", None)
+    file, flush = print_kwargs.pop("file", None) or sys.stdout, print_kwargs.pop("flush")
+    if print_kwargs:  # as the builtin says it
+        raise TypeError(f"print() got an unexpected keyword argument {next(iter(print_kwargs))!r}")
+    if file is None:  # no stdout at all (pythonw): the builtin prints nothing either
+        return
     text = (" " if sep is None else sep).join(str(a) for a in args)
-    prefix = f"[rank {rank}] "
-    builtins.print("\n".join(prefix + line for line in text.split("\n")), **print_kwargs)
+    prefix = "" if os.environ.get(PREFIX_ENV) == "1" else f"[rank {rank}] "
+    text = "\n".join(prefix + line for line in text.split("\n")) + ("\n" if end is None else end)
+    # One write of the whole text: the builtin writes `end` apart, and where output is
+    # unbuffered (PYTHONUNBUFFERED, `python -u`) another rank's line, sharing the
+    # terminal or pipe, landed between the two, cutting both.
+    file.write(text)
+    if flush:
+        file.flush()
 
 
 def barrier() -> None:

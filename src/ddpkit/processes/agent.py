@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.machine import threads_per_rank  # noqa: E402
+from ddpkit.processes.output import RankOutput  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
     Hang,
@@ -83,8 +85,18 @@ def run_script(command: list[str], opts: LaunchConfig) -> int:
         _wait_for_master(host, port, opts.rdzv_timeout)
     _patch_agent_store(loopback=local)
     status = scratch_dir("run")
+    world = nproc if single else opts.nnodes * nproc
+    # What the ranks print, line by line, to the console and to each rank's log. The
+    # global ranks of one machine are known in advance only when it is the only one.
+    output = RankOutput(
+        Path(opts.log_dir).absolute() if opts.log_dir is not None else status / "logs",
+        prefix=world > 1 if opts.rank_prefix is None else opts.rank_prefix,
+        shown=opts.local_ranks_filter,
+        ranks=range(nproc) if single else (),
+    ).start()
     env = {
         **_thread_env(nproc),
+        **output.env(),
         RUN_WORKER: str(status),
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_s),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
@@ -116,8 +128,8 @@ def run_script(command: list[str], opts: LaunchConfig) -> int:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
         if not single:
             reports = _StoreReports(host, port, opts.nnodes * nproc)
-        world = nproc if single else opts.nnodes * nproc
-        return _supervise(torchrun_args, status, reports, opts.hang_s, world)
+        logs = _Logs(output, in_log_dir=opts.log_dir is not None, this_node_only=not single)
+        return _supervise(torchrun_args, status, reports, opts.hang_s, world, logs)
     except RendezvousTimeoutError:
         raise ConfigError(
             f"the other nodes did not join within {opts.rdzv_timeout:.0f} s: start all "
@@ -134,6 +146,7 @@ def run_script(command: list[str], opts: LaunchConfig) -> int:
         )
         return 1
     finally:
+        output.close()
         shutil.rmtree(status, ignore_errors=True)
         del store
 
@@ -261,6 +274,7 @@ def _supervise(
     reports: Callable[[], dict[int, dict[str, Any]]],
     hang_timeout: float,
     world_size: int,
+    logs: _Logs,
 ) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -283,8 +297,11 @@ def _supervise(
 
     previous = signal.signal(signal.SIGUSR1, on_usr1)
     try:
-        with _quiet_torchelastic():
-            torchrun(parsed)  # type: ignore[no-untyped-call]
+        try:
+            with _quiet_torchelastic():
+                torchrun(parsed)  # type: ignore[no-untyped-call]
+        finally:
+            logs.output.close()  # the ranks' last lines, before ddpkit says how it went
         if not any(status.glob("attempt*/rank*.initialised")):
             print(_NO_GROUP.format(world=world_size), file=sys.stderr, flush=True)
         return 0
@@ -299,7 +316,7 @@ def _supervise(
             print(f"{hung}\n{_HANG_STOPPED}", file=sys.stderr, flush=True)
             return HANG_EXIT
         report = _crash_report(exc, _latest_attempt(status))
-        print(f"{report}\n{_keep_logs(_latest_attempt(status))}", file=sys.stderr, flush=True)
+        print(f"{report}\n{logs.keep()}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         if _said_preempted(status):
@@ -348,16 +365,33 @@ def _quiet_torchelastic() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def _keep_logs(attempt: Path) -> str:
-    """Move every rank's log out of the status folder (deleted at the end) into a
-    folder of its own, kept for the user; the line that names it."""
-    logs = sorted(attempt.glob("rank*.log"))
-    if not logs:
-        return "ddpkit: no rank left a log"
-    kept = Path(tempfile.mkdtemp(prefix="ddpkit-failed-run-"))
-    for log in logs:
-        shutil.move(str(log), kept / log.name)
-    return f"ddpkit: every rank's output, with its whole traceback: {kept}{os.sep}rank<N>.log"
+@dataclass(frozen=True)
+class _Logs:
+    """Where the ranks' logs are: the user's `--log-dir` (`in_log_dir`), or the status
+    folder, deleted at the end unless the job fails. `this_node_only`: one node of
+    several, whose logs hold this node's ranks."""
+
+    output: RankOutput
+    in_log_dir: bool
+    this_node_only: bool
+
+    def keep(self) -> str:
+        """After a failure: the line that names the logs, moved first out of the status
+        folder into a folder of their own, kept for the user."""
+        logs = sorted(self.output.logs.glob("rank*.log"))
+        if not logs:
+            return "ddpkit: no rank left a log"
+        folder = self.output.logs
+        if not self.in_log_dir:
+            folder = Path(tempfile.mkdtemp(prefix="ddpkit-failed-run-"))
+            for log in logs:
+                shutil.move(str(log), folder / log.name)
+        whose = (
+            "the output of this node's ranks, with their whole tracebacks"
+            if self.this_node_only
+            else "every rank's output, with its whole traceback"
+        )
+        return f"ddpkit: {whose}: {folder}{os.sep}rank<N>.log"
 
 
 def _said_preempted(status: Path) -> bool:

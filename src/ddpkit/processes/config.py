@@ -71,6 +71,15 @@ class LaunchConfig:
     """Times torchrun's agent restarts the workers after a failure (`ddpkit run`)."""
     rdzv_timeout: float = 300.0
     """Seconds `ddpkit run` waits for every node to join."""
+    rank_prefix: bool | None = None
+    """`ddpkit run`: start each line that a rank prints with `[rank N] ` on the console;
+    None: when the job has more than one rank."""
+    local_ranks_filter: tuple[int, ...] | None = None
+    """`ddpkit run`: the local ranks (0 to nprocs - 1 on each machine) whose output the
+    console shows; None: every rank. The others' output still goes to their logs."""
+    log_dir: str | None = None
+    """`ddpkit run`: a folder for each rank's output (stdout and stderr), `rank<N>.log`;
+    None: the logs are kept only when the job fails, in a folder named then."""
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -132,6 +141,36 @@ class LaunchConfig:
                 f"--rdzv-timeout must be a finite number of seconds >= 1 "
                 f"(got {self.rdzv_timeout}): pass --rdzv-timeout 300"
             )
+        self._check_output()
+
+    def _check_output(self) -> None:
+        shown = self.local_ranks_filter
+        if shown is not None:
+            shown = tuple(sorted(set(shown)))
+            object.__setattr__(self, "local_ranks_filter", shown)
+            if not shown:
+                raise ConfigError(
+                    "--local-ranks-filter '' names no local rank: pass local ranks, such as "
+                    "--local-ranks-filter 0 or 0,1, or leave it out to show every rank"
+                )
+            procs = self.nprocs if isinstance(self.nprocs, int) else None
+            bad = [r for r in shown if r < 0 or (procs is not None and r >= procs)]
+            if bad:
+                given = ",".join(str(r) for r in shown)
+                which = (
+                    f"with --nproc {procs} (local ranks 0 to {procs - 1}): pass local ranks "
+                    f"from 0 to {procs - 1}"
+                    if procs is not None and procs > 0
+                    else "(local ranks count from 0): pass local ranks"
+                )
+                raise ConfigError(
+                    f"--local-ranks-filter {given}: there is no local rank {bad[0]} {which}, "
+                    "such as --local-ranks-filter 0"
+                )
+        if self.log_dir is not None and not str(self.log_dir).strip():
+            raise ConfigError(
+                f"--log-dir {self.log_dir!r} names no folder: pass --log-dir DIR, or leave it out"
+            )
 
     @property
     def store_host(self) -> str:
@@ -149,6 +188,21 @@ class LaunchConfig:
         """The hang timeout in seconds (resolved: never None)."""
         assert self.hang_timeout is not None  # set in __post_init__
         return self.hang_timeout
+
+
+def parse_local_ranks(text: str) -> tuple[int, ...]:
+    """`--local-ranks-filter`'s text, such as "0" or "0,2", as local ranks (() for "");
+    ConfigError when it is not a comma list of whole numbers."""
+    parts = [part.strip() for part in text.split(",")]
+    if not any(parts):
+        return ()
+    try:
+        return tuple(int(part) for part in parts)
+    except ValueError:
+        raise ConfigError(
+            f"--local-ranks-filter {text!r} is not a comma list of local ranks: pass numbers, "
+            "such as --local-ranks-filter 0 or 0,1"
+        ) from None
 
 
 def is_loopback(host: str) -> bool:

@@ -5,9 +5,11 @@ torchrun's agent starts it once per rank. It prepares the diagnosis (a watchdog 
 reports progress, a record of the exception if the script raises), then runs the
 user's script or module as `__main__`, exactly as `python SCRIPT` would.
 
-What the script prints goes to the terminal as usual and also to `rank<N>.log` in the
-status folder, with the whole traceback if it raises; the agent keeps those files when
-the job fails and prints the first failing rank's traceback (the user's frames only).
+Before anything else, its stdout and stderr are connected to the agent's process
+(`ddpkit.processes.output`), which shows each line with its rank and writes it to this
+rank's log, `rank<N>.log`; the whole traceback, if the script raises, goes to the log
+alone: the agent prints the first failing rank's (the user's frames only) and keeps
+the logs when the job fails.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from ddpkit.errors import RUN_WORKER
 
@@ -51,27 +53,6 @@ def _store_publisher(rank: int) -> Callable[[dict[str, Any]], None] | None:
     return lambda report: store.set(key, json.dumps(report))
 
 
-class _Tee:
-    """A text stream that also writes to this rank's log file."""
-
-    def __init__(self, stream: TextIO, log: TextIO) -> None:
-        self._stream, self._log = stream, log
-
-    def write(self, text: str) -> int:
-        # A progress bar redraws itself with "\r" many times a second: keep it out of
-        # the log, which should hold what was said, not every frame of an animation.
-        if "\r" not in text:
-            self._log.write(text)
-        return self._stream.write(text)
-
-    def flush(self) -> None:
-        self._log.flush()
-        self._stream.flush()
-
-    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding, ...
-        return getattr(self._stream, name)
-
-
 def _note_process_group(folder: Path, rank: int) -> None:
     """Leave `rank<N>.initialised` once the script starts a process group, so that the
     agent can say when no rank did (N copies of a one-process script, each on all the
@@ -89,6 +70,11 @@ def _note_process_group(folder: Path, rank: int) -> None:
 
 
 def main() -> None:
+    # First, before the imports that take seconds (torch): torchrun's agent stops every
+    # rank as soon as one fails, and what a rank says while it starts is its output too.
+    from ddpkit.processes.output import attach, log_only
+
+    attach()
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
     from ddpkit.processes.launcher import ReleasedByLaunch
     from ddpkit.processes.watchdog import Watchdog, record_error, write_json
@@ -105,10 +91,7 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     folder = _status_folder()
     watchdog = None
-    log: TextIO | None = None
     if folder is not None:
-        log = (folder / f"rank{rank}.log").open("a", buffering=1)
-        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
         _note_process_group(folder, rank)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
@@ -136,11 +119,9 @@ def main() -> None:
         code = 130
     except BaseException as exc:
         code = 1
-        if log is None:
+        # The agent shows the first failing rank's; every rank's is in its log.
+        if not log_only(traceback.format_exc()):
             traceback.print_exc()
-        else:  # the agent shows the first failing rank's; every rank's is in its log
-            log.write(traceback.format_exc())
-            log.flush()
         if folder is not None:
             record_error(folder, rank, exc)
     if code == 0 and folder is not None:
