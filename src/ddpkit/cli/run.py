@@ -132,6 +132,9 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     """The worker command (after the shim) and the processes per node, or ConfigError.
     The flags are checked first: a bad one costs no import of torch."""
     command = _command(args)
+    # The agent's module first: it quiets torch's C++ store warnings, which torch reads
+    # only as it loads (and counting the GPUs loads it).
+    import ddpkit.processes.agent  # noqa: F401
     from ddpkit.processes.machine import resolve_backend, resolve_nprocs
 
     backend = resolve_backend("auto")
