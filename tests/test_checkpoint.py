@@ -452,3 +452,54 @@ def test_nodes_that_do_not_share_the_folder_stop_with_an_error(tmp_path: Path) -
         assert "ckpt-000000010.pt" in outcome[0]
     assert "nodes must share the checkpoint folder" in missing[0]
     assert "bytes differ from rank 0's" in differ[0]
+
+
+# -- what save_checkpoint accepts: what latest_checkpoint and find_checkpoint read back --
+@pytest.mark.parametrize(
+    ("state", "said"),
+    [
+        (
+            {"net": {"w": torch.ones(3)}, "epoch": 1},
+            "save_checkpoint's state has no 'model' entry (it has 'net', 'epoch')",
+        ),
+        (
+            {"model": nn.Linear(2, 1)},
+            "save_checkpoint's state['model'] is a torch.nn.modules.linear.Linear",
+        ),
+        ([torch.ones(3)], "save_checkpoint's state is a list, not a dict"),
+    ],
+    ids=["no-model", "a-module", "not-a-dict"],
+)
+def test_a_state_that_could_not_be_resumed_is_refused_before_anything_is_written(
+    tmp_path: Path, state: Any, said: str
+) -> None:
+    folder = tmp_path / "ck"
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(state, folder, CTX, step=1)
+    message = str(info.value)
+    assert message.startswith(said), message
+    assert "\n" not in message and "pass " in message  # one line, with the fix
+    assert not folder.exists()  # nothing was written, not even the folder
+
+
+def _save_without_model(ctx: DistContext, folder: str) -> list[str]:
+    """Every rank calls save_checkpoint with a state that has no 'model' entry (rank
+    0's, which is written; the others pass an empty one, as save_state does); each
+    rank's error, gathered on every rank."""
+    state = {"net": {"w": torch.ones(3)}} if ctx.is_main else {}
+    try:
+        save_checkpoint(state, folder, ctx, step=1)
+        said = "saved"
+    except CheckpointError as exc:
+        said = str(exc)
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, said)
+    return everyone
+
+
+def test_every_rank_raises_rank0s_refusal_and_no_file_is_written(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    said = launch(_save_without_model, str(folder), nprocs=2, backend="gloo")
+    assert said[0] == said[1], said  # the same error on every rank: none left waiting
+    assert said[0].startswith("save_checkpoint's state has no 'model' entry"), said
+    assert not folder.exists()

@@ -200,3 +200,28 @@ def test_a_dataloader_over_a_stream_is_dealt_out_to_the_ranks_by_batch() -> None
             assert shares == [single[0::2], single[1::2]], case
     # A stream with a length: each rank's own number of batches (3 + 3 + 3 + 2 samples).
     assert [rank[-1] for rank in ranks] == [{"len": 2, "batches": 2}, {"len": 2, "batches": 2}]
+
+
+def _pinning_on_cpu(ctx: DistContext, how: str) -> tuple[bool, list[str]]:
+    """The loader's pin_memory, and the warnings that building it and reading an epoch
+    raised, on this CPU rank (pinning asked for by a one-GPU script's DataLoader, or by
+    prepare_loader's own argument)."""
+    import warnings
+
+    data = TensorDataset(torch.randn(16, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "loader":
+            loader = prepare_loader(DataLoader(data, batch_size=4, pin_memory=True), ctx)
+        else:
+            loader = prepare_loader(data, ctx, batch_size=4, pin_memory=True)
+        for _ in loader:
+            pass
+    return loader.pin_memory, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("how", ["loader", "argument"])
+def test_cpu_ranks_do_not_pin_and_do_not_warn(how: str) -> None:
+    pinned, warned = launch(_pinning_on_cpu, how, nprocs=2, backend="gloo")
+    assert not [w for w in warned if "pin_memory" in w], warned
+    assert pinned is False

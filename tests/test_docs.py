@@ -26,7 +26,7 @@ import pytest
 import ddpkit
 from ddpkit import cli
 from ddpkit.check.rules import RULES
-from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
+from ddpkit.errors import ConfigError, HangError, Preempted, StoppedAtStart, WorkerError
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job
 from ddpkit.training.trainer import Callback, FitResult
@@ -87,6 +87,7 @@ def test_exit_status_table_matches_the_code(
             WorkerError(1, "bad", exc_type="ConfigError"), monkeypatch
         ),
         "preempted": _status_of(Preempted("ck/ckpt-000000001.pt", 1, signal.SIGTERM), monkeypatch),
+        "stopped while starting": _status_of(StoppedAtStart(signal.SIGTERM), monkeypatch),
         "hung": _status_of(HangError("hung", "stacks"), monkeypatch),
         "Ctrl-C": _status_of(KeyboardInterrupt(), monkeypatch),
         "SIGTERM": sigterm.value.code,
@@ -98,6 +99,7 @@ def test_exit_status_table_matches_the_code(
         "bad input": 2,
         "bad input found in a rank": 2,
         "preempted": 75,
+        "stopped while starting": 75,
         "hung": 124,
         "Ctrl-C": 130,
         "SIGTERM": 143,

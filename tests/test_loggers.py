@@ -396,3 +396,19 @@ def test_ddpkit_train_with_loggers_csv_writes_the_csv_files(tmp_path: Path) -> N
     assert [float(r["loss"]) for r in epochs] == losses
     assert [r["step"] for r in _rows(run / "steps.1.csv")] == [r["step"] for r in steps]
     assert json.loads((run / "config.json").read_text())["loggers"] == ["csv"]
+
+
+@pytest.mark.slow
+def test_a_resumed_ddpkit_train_continues_the_time_column_of_epochs_csv(tmp_path: Path) -> None:
+    run, checkpoints = tmp_path / "run", tmp_path / "ck"
+    args = ["train", "--example", "linear", "--nproc", "2", "--loggers", "csv"]
+    args += ["--run-dir", str(run), "--checkpoint-dir", str(checkpoints)]
+    first = run_cli(*args, "--epochs", "2")
+    assert first.returncode == 0, first.stderr
+    resumed = run_cli(*args, "--epochs", "4", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    epochs = _rows(run / "epochs.csv")
+    assert [r["epoch"] for r in epochs] == ["1", "2", "3", "4"]
+    times = [float(r["time"]) for r in epochs]
+    assert times == sorted(times), times  # epoch 3 does not start the clock again at 0
+    assert times[2] > times[1], times

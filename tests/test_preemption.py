@@ -23,7 +23,7 @@ from torch import nn
 import ddpkit
 from ddpkit import DistContext, TrainConfig, Trainer, launch
 from ddpkit.errors import PREEMPTED_EXIT, Preempted, WorkerError
-from tests.conftest import run_cli, wait_gone
+from tests.conftest import run_cli, wait_for_files, wait_gone
 
 EPOCHS = 24
 LINEAR_JOB = ("train", "--example", "linear", "--nproc", "2", "--epochs", str(EPOCHS), "--json")
@@ -226,7 +226,10 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize(("nprocs", "name"), [(1, "SIGTERM"), (2, "SIGTERM"), (2, "SIGUSR1")])
+@pytest.mark.parametrize(
+    ("nprocs", "name"),
+    [(1, "SIGTERM"), (2, "SIGTERM"), (2, "SIGUSR1"), (1, "SIGINT"), (2, "SIGINT")],
+)
 def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int, name: str) -> None:
     # `python script.py`, where nothing catches Preempted: SLURM's requeue needs 75.
     # The line names the signal that reached the launcher, which passes that one on.
@@ -242,6 +245,10 @@ def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int, 
     assert proc.returncode == PREEMPTED_EXIT, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: ")]
+    if name == "SIGINT":  # Ctrl-C: what it does is said once, by the process it reached
+        notices = [line for line in said if "press Ctrl-C again to stop at once" in line]
+        assert len(notices) == 1, proc.stderr
+        said.remove(notices[0])
     assert len(said) == 1, proc.stderr
     # The launcher passes the signal on while the ranks train: the step may come later.
     found = re.fullmatch(
@@ -254,6 +261,75 @@ def test_a_preempted_script_exits_75_with_one_line(tmp_path: Path, nprocs: int, 
     assert step >= 5 and saved == folder / f"ckpt-{step:09d}.pt"
     assert torch.load(saved, weights_only=True)["global_step"] == step
     assert "went on" not in proc.stdout
+
+
+SIGNALS_AT_ONCE_JOB = """
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+import ddpkit
+
+
+class TermThenCtrlC(ddpkit.Callback):
+    # After step 5 a SIGTERM reaches rank 1 alone (a scheduler's, say), and once rank 1
+    # has it, the user presses Ctrl-C: it reaches the launching process.
+    def __init__(self, folder):
+        self.mark = os.path.join(folder + "-marks", "rank1-got-sigterm")
+
+    def on_step_end(self, trainer, step):
+        if step == 5 and trainer.ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+            open(self.mark, "w").close()
+        if step == 5 and trainer.ctx.rank == 0:
+            while not os.path.exists(self.mark):
+                time.sleep(0.01)
+            os.kill(os.getppid(), signal.SIGINT)
+
+
+def main(ctx, folder):
+    ddpkit.seed_everything(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(256, 4)
+    config = ddpkit.TrainConfig(epochs=50, batch_size=8, checkpoint_dir=folder, progress=False)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    trainer = ddpkit.Trainer(
+        model, optimizer, data, ctx, config, loss_fn=nn.functional.mse_loss,
+        callbacks=[TermThenCtrlC(folder)], log_fn=lambda s: None,
+    )
+    trainer.fit()
+
+
+if __name__ == "__main__":
+    os.makedirs(sys.argv[1] + "-marks")
+    ddpkit.launch(main, sys.argv[1], nprocs=2)
+"""
+
+
+def test_the_stop_line_names_the_signal_that_reached_the_launching_process(
+    tmp_path: Path,
+) -> None:
+    # Rank 1 already saves on its SIGTERM when the Ctrl-C that the launcher passes on
+    # reaches it: that is the first Ctrl-C, not a second one (which stops at once). The
+    # ranks then agree on one signal each (the largest number), and the line names the
+    # Ctrl-C that the user pressed, which reached the launching process.
+    script = tmp_path / "job.py"
+    script.write_text(SIGNALS_AT_ONCE_JOB)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr
+    stops = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: stopped by")]
+    assert len(stops) == 1, proc.stderr
+    assert stops[0].startswith("ddpkit: stopped by SIGINT after step "), proc.stderr
 
 
 def test_without_a_checkpoint_folder_a_signal_stops_at_once() -> None:
@@ -331,7 +407,8 @@ def test_ctrl_c_saves_and_says_how_to_continue(tmp_path: Path) -> None:
     os.kill(proc.pid, signal.SIGINT)  # a terminal sends it to all; the workers ignore it
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == PREEMPTED_EXIT, err
-    assert "Ctrl-C again to stop at once" in err
+    assert err.count("Ctrl-C again to stop at once") == 1, err  # said once, not per process
+    assert err.count("ddpkit: stopped by SIGINT after step") == 1, err
     assert f"to continue: ddpkit {' '.join(LINEAR_JOB)} --checkpoint-dir {tmp_path} --resume" in err
     assert wait_gone(workers) == []
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -439,3 +516,154 @@ def test_ctrl_c_that_stops_at_once_names_the_newest_checkpoint_or_says_none(
             "ddpkit: interrupted; nothing was saved (no --checkpoint-dir): "
             "pass --checkpoint-dir DIR to resume later"
         )
+
+
+# -- a stop signal while the job starts, before its first training step ------------------
+STARTING_JOB = """
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import ddpkit
+
+
+def build(ctx):
+    # A job that reads its data for a long while: the test signals it meanwhile.
+    Path(os.environ["MARKS"], f"rank{ctx.rank}").write_text(str(os.getpid()))
+    time.sleep(120)
+    model = nn.Linear(4, 1)
+    x = torch.randn(64, 4)
+    return ddpkit.Job(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        train_set=TensorDataset(x, x.sum(1, keepdim=True)),
+        loss_fn=nn.functional.mse_loss,
+    )
+
+
+def main(ctx, folder):
+    from ddpkit.training.job import build_job
+
+    config = ddpkit.TrainConfig(epochs=2, batch_size=8, checkpoint_dir=folder, progress=False)
+    build_job(ctx, build, config).trainer(ctx, config).fit()
+
+
+if __name__ == "__main__":
+    ddpkit.launch(main, sys.argv[1], nprocs=int(sys.argv[2]))
+    print("the job went on after launch")
+"""
+
+STARTING_LINE = (
+    "ddpkit: stopped by {name} while the job was starting, before its first training "
+    "step: nothing was lost; start it again with the same command"
+)
+
+
+def _stop_while_starting(
+    cmd: list[str], marks: Path, nprocs: int, signum: int, target: str
+) -> tuple[subprocess.CompletedProcess[str], list[int]]:
+    """Run `cmd`, and once every rank builds its job, send `signum` to the launching
+    process or to every process of the job (as SLURM does); the finished process and
+    the pids of its ranks."""
+    marks.mkdir()
+    env = {**os.environ, "MARKS": str(marks)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    files = [marks / f"rank{r}" for r in range(nprocs)]
+    try:
+        wait_for_files(files, within=120)
+    except BaseException:
+        proc.kill()
+        raise
+    ranks = [int(f.read_text()) for f in files]
+    for pid in [proc.pid, *(ranks if target == "every-process" else [])]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), ranks
+
+
+@pytest.mark.parametrize(
+    ("signum", "target", "checkpoints"),
+    [
+        (signal.SIGTERM, "launcher", True),
+        (signal.SIGTERM, "every-process", True),
+        (signal.SIGUSR1, "launcher", False),
+    ],
+    ids=["term-launcher", "term-every-process", "usr1-no-checkpoints"],
+)
+def test_ddpkit_train_stopped_while_starting_exits_75_with_one_line(
+    tmp_path: Path, signum: int, target: str, checkpoints: bool
+) -> None:
+    job = tmp_path / "slowjob.py"
+    job.write_text(STARTING_JOB)
+    cmd = [sys.executable, "-m", "ddpkit", "train", "--job", f"{job}:build", "--nproc", "2"]
+    if checkpoints:
+        cmd += ["--checkpoint-dir", str(tmp_path / "ck")]
+    proc, ranks = _stop_while_starting(cmd, tmp_path / "marks", 2, signum, target)
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert said == [STARTING_LINE.format(name=signal.Signals(signum).name)], proc.stderr
+    assert wait_gone(ranks) == []
+    if checkpoints:
+        assert not list((tmp_path / "ck").glob("ckpt-*"))  # nothing to save: no step
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_a_script_stopped_while_starting_exits_75_with_one_line(
+    tmp_path: Path, nprocs: int
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(STARTING_JOB)
+    cmd = [sys.executable, str(script), str(tmp_path / "ck"), str(nprocs)]
+    proc, ranks = _stop_while_starting(cmd, tmp_path / "marks", nprocs, signal.SIGTERM, "launcher")
+    assert proc.returncode == PREEMPTED_EXIT, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert said == [STARTING_LINE.format(name="SIGTERM")], proc.stderr
+    assert "went on" not in proc.stdout
+    assert wait_gone(ranks) == []  # with one process, the rank is the launcher
+
+
+def _raise_stopped_while_starting(ctx: DistContext, marks: str) -> None:
+    Path(marks, f"rank{ctx.rank}").write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_launch_raises_stopped_at_start_which_a_caller_can_catch(tmp_path: Path) -> None:
+    import threading
+
+    from ddpkit.errors import StoppedAtStart
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+
+    def signal_once_both_build() -> None:
+        wait_for_files([marks / "rank0", marks / "rank1"], within=120)
+        os.kill(os.getpid(), signal.SIGTERM)  # to the launcher: this process
+
+    threading.Thread(target=signal_once_both_build, daemon=True).start()
+    with pytest.raises(StoppedAtStart) as info:
+        launch(_raise_stopped_while_starting, str(marks), nprocs=2)
+    assert info.value.signum == signal.SIGTERM
+    assert info.value.code == PREEMPTED_EXIT
+
+
+def test_a_signal_after_training_began_without_a_checkpoint_folder_still_stops_with_143(
+    tmp_path: Path,
+) -> None:
+    # Steps were taken and nothing saves them: that is not a job that can simply start
+    # again, so the exit status stays the signal's.
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT_JOB.replace("checkpoint_dir=folder", "checkpoint_dir=None"))
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "ck"), "2", "SIGTERM"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "while the job was starting" not in proc.stderr

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,27 @@ def test_a_resumed_run_appends_to_the_record_it_continues(tmp_path: Path) -> Non
     assert resumed.kept is None
     assert _losses(tmp_path / "metrics.jsonl") == [3.0, 2.0, 1.0]
     assert not (tmp_path / "metrics.1.jsonl").exists()
+
+
+def _times(path: Path) -> list[float]:
+    return [json.loads(line)["time"] for line in path.read_text().splitlines()]
+
+
+def test_a_resumed_run_continues_the_time_of_the_record_it_continues(tmp_path: Path) -> None:
+    first = RunLog(str(tmp_path), {"resume": False}, enabled=True)
+    time.sleep(0.2)  # the first run trained a while
+    first.write("step", 1, {"loss": 3.0})
+    first.close()
+    resumed = RunLog(str(tmp_path), {"resume": True}, enabled=True)
+    resumed.write("step", 2, {"loss": 2.0})
+    resumed.close()
+    before, after = _times(tmp_path / "metrics.jsonl")
+    assert before >= 0.2
+    assert after >= before  # not back to 0: the resumed run's clock goes on
+    fresh = RunLog(str(tmp_path), {"resume": False}, enabled=True)  # a new run starts at 0
+    fresh.write("step", 1, {"loss": 1.0})
+    fresh.close()
+    assert _times(tmp_path / "metrics.jsonl")[0] < 0.2
 
 
 def test_an_empty_record_is_not_kept_and_numbers_already_taken_are_skipped(

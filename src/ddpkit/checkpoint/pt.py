@@ -242,9 +242,18 @@ def save_checkpoint(
     (fsync) on a thread while training goes on; `wait_for_checkpoints()` waits for it,
     as the next save, `Trainer.fit`'s end and the process's exit do.
 
+    What `state` must hold: the model's weights under "model" (its `state_dict()`),
+    which is how `latest_checkpoint` and `find_checkpoint` tell a checkpoint from any
+    other file; beside it whatever your resume needs, as tensors and plain values
+    (numbers, strings, lists and dicts of them), which a weights-only load accepts. A
+    state without a "model" entry, or with a module rather than its state dict there,
+    could never be resumed from: it is refused before anything is written, on every
+    rank. Only rank 0's `state` is written: the other ranks may pass `{}`.
+
     Args:
         state: what to save, e.g. `{"model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict()}` (tensors and plain Python values).
+            "optimizer": optimizer.state_dict(), "epoch": epoch}`. With `shards`, the
+            model is in the shards and "model" may be left out.
         directory: the checkpoint folder (created if missing).
         ctx: this rank's `DistContext`.
         step: the number in the file name (an optimizer step or an epoch).
@@ -256,19 +265,85 @@ def save_checkpoint(
 
     Returns:
         The path of the checkpoint written.
+
+    Raises:
+        CheckpointError: on every rank, `state` (rank 0's) is not a dict with a
+            "model" state dict, and nothing was written; or the file could not be
+            written (the newest earlier checkpoint is left intact).
     """
-    rngs = _gather_to_main(rng_state(), ctx)
     if shards is not None:
+        # Every rank passes its own shards, alike: each checks its own, and all of them
+        # find the same problem before any rank writes. (Rank 0's state is checked as
+        # it is written, beside the shards: see _save_sharded.)
+        problem = _shards_problem(shards)
+        if problem is not None:
+            raise CheckpointError(problem)
+        rngs = _gather_to_main(rng_state(), ctx)
         return _save_sharded(state, shards, rngs, Path(directory), ctx, step, keep_last)
+    # Only rank 0's state is written (save_state passes {} on the others), so rank 0
+    # judges it, and _on_rank0 hands its refusal to every rank, as it would a failed
+    # write: no rank is left waiting, and no file or folder has been made.
+    problem = _state_problem(state) if ctx.is_main else None
+    rngs = _gather_to_main(rng_state(), ctx)
     path = checkpoint_path(directory, step)
+
+    def write() -> None:
+        if problem is not None:
+            raise CheckpointError(problem)
+        _write_checkpoint(state, rngs, ctx.world_size, path, keep_last)
+
     # The other ranks wait until rank 0 has written (so nobody reads or deletes a
     # checkpoint still being written), and they stop with rank 0's error if it failed.
-    _on_rank0(
-        lambda: _write_checkpoint(state, rngs, ctx.world_size, path, keep_last),
-        ctx,
-        f"write checkpoint {path}",
-    )
+    _on_rank0(write, ctx, f"write checkpoint {path}")
     return path
+
+
+_STATE_FIX = 'pass {"model": unwrap(model).state_dict(), "optimizer": ..., "epoch": ...}'
+
+
+def _state_problem(state: Any, *, sharded: bool = False) -> str | None:
+    """Why a checkpoint of `state` could not be resumed from, in one line that ends
+    with the fix; None when it can. `latest_checkpoint` and `find_checkpoint` know a
+    ddpkit checkpoint by its "model" entry (a `sharded` one's model is in its shards),
+    and a weights-only load refuses a module."""
+    if not isinstance(state, dict):
+        return f"save_checkpoint's state is a {_kind(state)}, not a dict: {_STATE_FIX}"
+    if sharded:
+        return None
+    if "model" not in state:
+        names = ", ".join(repr(k) for k in list(state)[:6]) + (", ..." if len(state) > 6 else "")
+        has = f"it has {names}" if state else "it is empty"
+        return (
+            f"save_checkpoint's state has no 'model' entry ({has}), so latest_checkpoint "
+            f"and find_checkpoint could not resume from it: {_STATE_FIX}"
+        )
+    if not isinstance(state["model"], dict):
+        return (
+            f"save_checkpoint's state['model'] is a {_kind(state['model'])}, not a state "
+            "dict, and a weights-only load would refuse it: pass "
+            "state['model'] = unwrap(model).state_dict()"
+        )
+    return None
+
+
+def _shards_problem(shards: Any) -> str | None:
+    """Why a sharded checkpoint of `shards` could not be resumed from; None if it can."""
+    if isinstance(shards, dict) and "model" in shards:
+        return None
+    return (
+        "save_checkpoint's shards have no 'model' entry, so the checkpoint could not be "
+        "resumed from: pass shards=sharded.tensors_of(model, optimizer)"
+    )
+
+
+def _kind(value: Any) -> str:
+    """The type of `value` as a reader knows it: `list`, `torch.nn.modules.linear.Linear`."""
+    kind = type(value)
+    return (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
 
 
 def keep_as_best(path: Path, ctx: DistContext) -> Path:
@@ -338,6 +413,9 @@ def _save_sharded(
 
     def finish() -> None:
         try:
+            problem = _state_problem(state, sharded=True)
+            if problem is not None:  # no checkpoint: the shards' folder goes below
+                raise CheckpointError(problem)
             _write_checkpoint({**state, "sharded": True}, rngs, ctx.world_size, tmp / sharded.META)
             sharded.publish(tmp, path, _outdated(directory, path, keep_last))
         except BaseException:

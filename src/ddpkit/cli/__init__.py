@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ddpkit import __version__
-from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, DdpkitError, HangError, Preempted, WorkerError
+from ddpkit.errors import (
+    PREEMPTED_EXIT,
+    RUN_WORKER,
+    DdpkitError,
+    HangError,
+    Preempted,
+    StoppedAtStart,
+    WorkerError,
+)
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -126,6 +134,9 @@ def _run(args: argparse.Namespace) -> int:
     except Preempted as exc:
         if RUN_WORKER in os.environ:
             raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
+        print(f"ddpkit: {exc}", file=sys.stderr)
+        return PREEMPTED_EXIT
+    except StoppedAtStart as exc:  # nothing was lost: a requeue starts it again
         print(f"ddpkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT
     except DdpkitError as exc:

@@ -7,12 +7,14 @@ given with `--config` sets any of them, and flags given on the command line win.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import shlex
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from ddpkit.cli.flags import (
@@ -24,9 +26,16 @@ from ddpkit.cli.flags import (
     job_and_config,
     print_job_help,
 )
-from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, Preempted
+from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, Preempted, StoppedAtStart
 from ddpkit.processes.config import LaunchConfig
-from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
+from ddpkit.processes.preemption import (
+    DEFAULT_SIGNAL_GRACE,
+    STOP_SIGNALS,
+    install_handlers,
+    restore_handlers,
+    starting_up,
+    stopped_while_starting,
+)
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 
@@ -62,54 +71,27 @@ def run(args: argparse.Namespace) -> int:
     if args.job_help:
         return print_job_help(args)
     logging.basicConfig(level=logging.INFO, format="ddpkit: %(message)s")
-    job_name, config = job_and_config(args)
-    settings = LaunchConfig(
-        nprocs=args.nproc,
-        backend=args.backend,
-        hang_timeout=args.hang_timeout,
-        signal_grace=args.signal_grace,
-    )
-    # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
-    from ddpkit.checkpoint.pt import check_writable, find_checkpoint
-    from ddpkit.context import DistContext
-    from ddpkit.parallel.strategy import Strategy
-    from ddpkit.processes.launcher import launch
-    from ddpkit.processes.machine import resolve_backend, resolve_nprocs, under_torchrun
-
-    backend = resolve_backend(args.backend)
-    nproc = resolve_nprocs(args.nproc, backend)
-    # Check what can be checked before any process starts, so bad input costs nothing.
-    if backend == "gloo" and not under_torchrun():
-        check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
-    check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
-    Strategy(config.strategy).check(
-        backend, offload=config.fsdp_offload, grad_compression=config.grad_compression
-    )
-    if config.run_dir is not None:
-        check_folder("run_dir", config.run_dir)
-    if config.checkpoint_dir is not None:
-        check_writable(config.checkpoint_dir)
-        if config.resume:  # raises if none loads; the workers say what they skip
-            find_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
+    config = None
     try:
-        result = launch(
-            train_worker,
-            job_name,
-            config,
-            nprocs=nproc,
-            backend=backend,  # type: ignore[arg-type]
-            hang_timeout=settings.hang_timeout,
-            signal_grace=settings.signal_grace,
-        )
+        with _starting():
+            job_name, config = job_and_config(args)
+            result, nproc = _check_and_launch(args, job_name, config)
     except Preempted as exc:
         if RUN_WORKER in os.environ:
             raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
         print(f"ddpkit: {exc}\nddpkit: to continue: {_resume_command(config)}", file=sys.stderr)
         return PREEMPTED_EXIT
+    except StoppedAtStart as exc:
+        print(f"ddpkit: {exc}", file=sys.stderr)  # the same command starts it again
+        return PREEMPTED_EXIT
     except KeyboardInterrupt:
+        if config is None:
+            raise  # before the job was read: nothing to say but that (see cli._run)
         # Stopped before the job could save (or with --on-signal stop): say what is left.
         print(f"ddpkit: interrupted; {_what_is_saved(config)}", file=sys.stderr)
         return 130
+    from ddpkit.processes.machine import under_torchrun
+
     if under_torchrun():  # each rank ran in place: rank 0 speaks for the job
         if os.environ["RANK"] != "0":
             return 0
@@ -138,6 +120,70 @@ def run(args: argparse.Namespace) -> int:
         parts.append(f"digest {result['model_digest'][:12]}")
         print(", ".join(parts), flush=True)
     return 0
+
+
+@contextlib.contextmanager
+def _starting() -> Iterator[None]:
+    """While inside (reading the job, checking the options, starting the ranks), a stop
+    signal (SIGTERM, SIGUSR1) that comes before any rank's first optimizer step raises
+    StoppedAtStart: nothing was lost, and the same command starts the job again."""
+    # Under torchrun (ddpkit run) its agent says what a signal did to the job. (Read
+    # from the environment as processes.machine does: that module imports torch.)
+    agent = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    handlers = install_handlers(STOP_SIGNALS)
+    try:
+        with starting_up(watch_steps=False):  # launch watches the ranks' steps
+            yield
+    except SystemExit as exc:
+        signum = stopped_while_starting(exc)
+        if not signum or agent:
+            raise
+        raise StoppedAtStart(signum) from None
+    finally:
+        restore_handlers(handlers)
+
+
+def _check_and_launch(
+    args: argparse.Namespace, job_name: str, config: Any
+) -> tuple[dict[str, Any], int]:
+    settings = LaunchConfig(
+        nprocs=args.nproc,
+        backend=args.backend,
+        hang_timeout=args.hang_timeout,
+        signal_grace=args.signal_grace,
+    )
+    # torch is imported only now (1.5-2 s): `--help` and bad flags answer at once.
+    from ddpkit.checkpoint.pt import check_writable, find_checkpoint
+    from ddpkit.context import DistContext
+    from ddpkit.parallel.strategy import Strategy
+    from ddpkit.processes.launcher import launch
+    from ddpkit.processes.machine import resolve_backend, resolve_nprocs, under_torchrun
+
+    backend = resolve_backend(args.backend)
+    nproc = resolve_nprocs(args.nproc, backend)
+    # Check what can be checked before any process starts, so bad input costs nothing.
+    if backend == "gloo" and not under_torchrun():
+        check_processes("--nproc", nproc, allow=args.allow_oversubscribe)
+    check_processes("--num-workers", config.num_workers, allow=args.allow_oversubscribe)
+    Strategy(config.strategy).check(
+        backend, offload=config.fsdp_offload, grad_compression=config.grad_compression
+    )
+    if config.run_dir is not None:
+        check_folder("run_dir", config.run_dir)
+    if config.checkpoint_dir is not None:
+        check_writable(config.checkpoint_dir)
+        if config.resume:  # raises if none loads; the workers say what they skip
+            find_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
+    result = launch(
+        train_worker,
+        job_name,
+        config,
+        nprocs=nproc,
+        backend=backend,  # type: ignore[arg-type]
+        hang_timeout=settings.hang_timeout,
+        signal_grace=settings.signal_grace,
+    )
+    return result, nproc
 
 
 def _resume_command(config: Any) -> str:

@@ -378,7 +378,9 @@ def prepare_loader(
         num_workers: data-loading processes per rank; each is seeded reproducibly.
         pin_memory: pin batches for faster copies to the GPU (default: on GPUs, unless
             the dataset's first sample is already on a GPU; only CPU tensors can be
-            pinned).
+            pinned). Only GPU ranks pin: on a CPU rank there is no copy to speed up,
+            so True (yours, or that of the DataLoader you pass) is dropped there,
+            without torch's warning from every rank.
         collate_fn: how samples become a batch (DataLoader's default if None).
         worker_init_fn: called in each worker when it starts (torch has seeded its
             Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
@@ -488,10 +490,13 @@ def prepare_loader(
 
 
 def _pins(dataset: Dataset[Any], ctx: DistContext, pin_memory: bool | None) -> bool:
-    """Whether the loader pins its batches: as asked, or by default on GPU ranks, unless
-    the samples are already on a GPU (torch's pinning thread would stop the first epoch
-    with "cannot pin 'torch.cuda.FloatTensor'")."""
-    if pin_memory is False or (pin_memory is None and ctx.device.type != "cuda"):
+    """Whether the loader pins its batches: on GPU ranks only (as asked, or by default),
+    unless the samples are already on a GPU (torch's pinning thread would stop the first
+    epoch with "cannot pin 'torch.cuda.FloatTensor'")."""
+    # A CPU rank never pins: pinned memory only speeds up copies to a GPU, and torch
+    # warns on every rank that has none ("no accelerator is found"). A one-GPU script's
+    # DataLoader(pin_memory=True) thus runs on CPU ranks as it is.
+    if pin_memory is False or ctx.device.type != "cuda":
         return False
     elsewhere = sorted({str(d) for d in _first_sample_devices(dataset) if d.type != "cpu"})
     if not elsewhere:

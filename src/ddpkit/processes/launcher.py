@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
-from ddpkit.errors import ConfigError, HangError, Preempted, WorkerError
+from ddpkit.errors import ConfigError, HangError, Preempted, StoppedAtStart, WorkerError
 from ddpkit.processes.config import LOOPBACK, LaunchConfig
 from ddpkit.processes.group import destroy_group, device_for, init_group
 from ddpkit.processes.machine import (
@@ -45,6 +45,8 @@ from ddpkit.processes.preemption import (
     SignalForwarder,
     install_handlers,
     restore_handlers,
+    starting_up,
+    stopped_while_starting,
 )
 from ddpkit.processes.report import (
     HangJudge,
@@ -128,6 +130,9 @@ def launch(
         HangError: the ranks stopped making progress; it says where each one is stuck.
         Preempted: a stop signal came, and every rank saved the same step (resume it).
             A SystemExit too: a script that does not catch it exits with status 75.
+        StoppedAtStart: a stop signal (SIGTERM, SIGUSR1) came before any rank's first
+            optimizer step: nothing was lost, start the job again. Also a SystemExit
+            with status 75.
         ConfigError: a bad argument, named with its fix.
     """
     cfg = LaunchConfig(
@@ -164,7 +169,13 @@ def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeo
     init_group(backend, 0, 1, device, timeout_s, store=HashStore())
     handlers = install_handlers((*STOP_SIGNALS, signal.SIGINT))  # save on a signal
     try:
-        return fn(DistContext(0, 0, 1, 1, device, backend), *args)
+        with starting_up():
+            return fn(DistContext(0, 0, 1, 1, device, backend), *args)
+    except SystemExit as exc:
+        signum = stopped_while_starting(exc)
+        if signum:  # before the first optimizer step: nothing is lost
+            raise StoppedAtStart(signum) from None
+        raise
     finally:
         restore_handlers(handlers)
         destroy_group()
@@ -312,6 +323,8 @@ def _spawn(
     handlers = forwarder.install()
     try:
         for rank in range(n):
+            if forwarder.signum:
+                break  # stopped while starting: start no more workers
             recv, send = mp.Pipe(duplex=False)
             proc = mp.Process(
                 target=worker, args=(rank, spec, fn, args, send), name=f"ddpkit-rank{rank}"
@@ -332,6 +345,14 @@ def _spawn(
             finally:
                 send.close()
             procs[rank], conns[rank] = proc, recv
+        # A signal that came while a worker was being started has not reached it.
+        forwarder.catch_up()
+        if forwarder.signum and len(procs) < n:
+            # Some ranks never started, so none can have trained: nothing is lost.
+            _stop(procs.values())
+            if forwarder.signum == signal.SIGINT:
+                forwarder.stop_now()  # Ctrl-C: KeyboardInterrupt, as at any time
+            raise StoppedAtStart(forwarder.signum)
         if listener is not None:
             store, listener = serve_store(world_size=n, listener=listener), None
         if status is not None:
@@ -394,9 +415,11 @@ def _supervise(
     """Wait for every worker; soon after the first failure, raise the likely cause;
     raise HangError when the ranks certainly cannot go on (see HangJudge), and print
     its notices about ranks that keep the others waiting. After a stop signal, raise
-    `Preempted` when the ranks saved, else leave as the signal would have."""
+    `Preempted` when the ranks saved, `StoppedAtStart` when no rank had trained yet
+    (nothing is lost), else leave as the signal would have."""
     results: dict[int, Any] = {}
     preempted: dict[int, Preempted] = {}
+    trained = False  # some rank took an optimizer step (see preemption.starting_up)
     failures: list[tuple[float, WorkerError]] = []
     waits: dict[int, dict[str, str] | None] = {}  # rank -> the collective its error came from
     running = dict(procs)
@@ -404,6 +427,7 @@ def _supervise(
     settle_until: float | None = None
 
     def drain(rank: int) -> None:
+        nonlocal trained
         conn = open_conns.get(rank)
         while conn is not None and conn.poll():
             try:
@@ -415,6 +439,8 @@ def _supervise(
                 results[rank] = msg[1]
             elif msg[0] == "preempted":
                 preempted[rank] = msg[1]
+            elif msg[0] == "trained":
+                trained = True
             else:
                 _, when, exc_type, text, tb, waits[rank] = msg
                 message = f"rank {rank} raised {exc_type}: {text}"
@@ -426,12 +452,13 @@ def _supervise(
         if settle_until is not None and now >= settle_until:
             break
         if forwarder.expired():
-            print(
-                f"ddpkit: the ranks did not save and stop within {forwarder.grace:g} s of "
-                "the signal: stopping them; the newest checkpoint on disk is complete",
-                file=sys.stderr,
-                flush=True,
-            )
+            if trained:  # else nothing was to be saved: StoppedAtStart says it below
+                print(
+                    f"ddpkit: the ranks did not save and stop within {forwarder.grace:g} s "
+                    "of the signal: stopping them; the newest checkpoint on disk is complete",
+                    file=sys.stderr,
+                    flush=True,
+                )
             _stop(running.values())
             break
         if all_done_at is not None and now - all_done_at > _EXIT_GRACE_S:
@@ -465,7 +492,19 @@ def _supervise(
         elif watch is not None and watch.hang is not None:
             raise HangError(watch.hang.summary(len(procs)), watch.hang.stacks())
     if preempted:
-        raise preempted[min(preempted)]
+        saved = preempted[min(preempted)]
+        if forwarder.signum and forwarder.signum != saved.signum:
+            # The ranks agree on the largest signal number any of them got (SIGTERM
+            # over a Ctrl-C that came after it, say); the stop line names the signal
+            # that reached this process, which is the one the job was stopped with.
+            saved = Preempted(saved.checkpoint, saved.step, forwarder.signum)
+        raise saved
+    stop = forwarder.signum or _stop_signal_of([err for _, err in failures])
+    if stop in STOP_SIGNALS and not trained and not results:
+        # Before any rank's first optimizer step, however the ranks ended (the signal's
+        # exit, a collective that lost its peer, killed before their handlers): a
+        # requeue starts the job again with nothing lost.
+        raise StoppedAtStart(stop)
     if forwarder.signum and len(results) < len(procs):
         forwarder.stop_now()  # stopped by the signal before anything was saved
     if failures:
@@ -482,6 +521,19 @@ def _supervise(
     if 0 not in results:
         raise WorkerError(0, "rank 0 exited without returning a result", exitcode=0)
     return results[0]
+
+
+def _stop_signal_of(errors: list[WorkerError]) -> int:
+    """The stop signal (SIGTERM, SIGUSR1) that ended one of the ranks that failed, by
+    its SystemExit(128 + n) or by the signal itself; 0 if none did."""
+    for err in errors:
+        for signum in STOP_SIGNALS:
+            raised = err.exc_type == "SystemExit" and Exception.__str__(err).endswith(
+                f": {128 + signum}"
+            )
+            if raised or err.exitcode == -signum:
+                return int(signum)
+    return 0
 
 
 def _describe_exit(rank: int, code: int, *, nccl: bool = False) -> str:

@@ -4,9 +4,13 @@ agree on one optimizer step after which they checkpoint together and exit.
 Clusters stop jobs with a signal and a grace period before SIGKILL (SLURM's
 `--signal=USR1@90`, Kubernetes' SIGTERM). A rank records the signal instead of dying,
 provided a loop that can save is running (`saving_on_signal`); otherwise, and on a
-second signal, it stops at once as before. The ranks learn about a signal that reached
+second Ctrl-C, it stops at once as before. The ranks learn about a signal that reached
 any of them through `StopVote`, one small all-reduce per step that is waited for one
 step later, so it costs no wait of its own.
+
+A job is starting (`starting_up`) until its first optimizer step: a stop signal that no
+saving loop records then stops it at once, and as nothing was lost, the job ends as
+`StoppedAtStart` (exit status 75, as a preempted job's), not as if it had been killed.
 """
 
 from __future__ import annotations
@@ -38,9 +42,15 @@ class _Flag:
 
     signum: int = 0  # the first stop signal received, 0 if none
     listeners: int = 0  # loops running that save on a signal
+    interrupts: int = 0  # the Ctrl-Cs (SIGINT) among the signals received meanwhile
+    starting: bool = False  # inside `starting_up`, before this process's first step
+    launcher_says: bool = False  # a worker of `launch`, whose launcher says what Ctrl-C does
 
 
 _FLAG = _Flag()
+
+# Set on the SystemExit of a stop signal that came while the job was starting.
+_STARTING_ATTR = "_ddpkit_stopped_starting"
 
 
 def requested() -> int:
@@ -48,25 +58,87 @@ def requested() -> int:
     return _FLAG.signum
 
 
+def leave_notices_to_launcher() -> None:
+    """In a worker of `launch`: the launcher, which a terminal's Ctrl-C reaches and which
+    passes it on, says once what happens next; its workers say nothing more."""
+    _FLAG.launcher_says = True
+
+
 def _on_signal(signum: int, frame: Any) -> None:
-    if _FLAG.listeners and not _FLAG.signum:
-        _FLAG.signum = signum  # the loop saves after the step the ranks agree on
-        # Said once per machine: a launcher passes Ctrl-C on to each of its workers.
-        if signum == signal.SIGINT and os.environ.get("LOCAL_RANK", "0") == "0":
-            print(
-                "ddpkit: saving a checkpoint after this step, then stopping "
-                "(press Ctrl-C again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
-        return
-    if _FLAG.listeners and signum != signal.SIGINT:
-        return  # the same stop again (SLURM signals every process): the save goes on
+    if _FLAG.listeners:
+        if not _FLAG.signum:
+            _FLAG.signum = signum  # the loop saves after the step the ranks agree on
+        if signum != signal.SIGINT:
+            return  # the same stop again (SLURM signals every process): the save goes on
+        _FLAG.interrupts += 1
+        if _FLAG.interrupts == 1:
+            # A first Ctrl-C, perhaps after another signal (which is then saved on):
+            # the save goes on. Said once per machine: by the launcher of `launch`,
+            # which passes it on; else by local rank 0 (a terminal's Ctrl-C reaches
+            # every worker of torchrun's).
+            if not _FLAG.launcher_says and os.environ.get("LOCAL_RANK", "0") == "0":
+                print(
+                    "ddpkit: saving a checkpoint after this step, then stopping "
+                    "(press Ctrl-C again to stop at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
     # Nothing here can save, or a second Ctrl-C: stop now. Raising lets `finally`
     # blocks release the process group and the workers on the way out.
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    raise SystemExit(128 + signum)
+    stop = SystemExit(128 + signum)
+    if _FLAG.starting:  # nothing trained yet: see starting_up
+        setattr(stop, _STARTING_ATTR, signum)
+    raise stop
+
+
+def stopped_while_starting(exc: BaseException) -> int:
+    """The stop signal (SIGTERM, SIGUSR1) that raised `exc`, a SystemExit, while this
+    process was starting up (see `starting_up`); 0 for any other exception."""
+    return int(getattr(exc, _STARTING_ATTR, 0))
+
+
+@contextlib.contextmanager
+def starting_up(
+    *, watch_steps: bool = True, on_first_step: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """While inside, this process counts as starting until its first optimizer step
+    (`optimizer.step()` of any torch optimizer: Trainer's or a loop of your own). A stop
+    signal that no saving loop records meanwhile raises a SystemExit that
+    `stopped_while_starting` recognises: starting the job again loses nothing.
+
+    `on_first_step` is called once, at that first step. `watch_steps` False: no
+    optimizer runs in this process yet (the command line before it launches), so none is
+    watched and torch is not imported; a region inside may watch its own.
+    """
+    before = _FLAG.starting
+    _FLAG.starting = True
+    handle = None
+    if watch_steps:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        fired = False
+
+        def first_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                _FLAG.starting = False
+                if on_first_step is not None:
+                    on_first_step()
+
+        # It stays for the region (torch iterates over the hooks as it calls this one,
+        # so it cannot remove itself): one Python call per step, well under 1 µs.
+        handle = register_optimizer_step_post_hook(first_step)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+        # A step taken inside was taken in the region around it too.
+        _FLAG.starting = before and _FLAG.starting
 
 
 def install_handlers(
@@ -95,7 +167,7 @@ def saving_on_signal() -> Iterator[None]:
     finally:
         _FLAG.listeners -= 1
         if not _FLAG.listeners:
-            _FLAG.signum = 0
+            _FLAG.signum = _FLAG.interrupts = 0
 
 
 # Seconds between two stop votes: a vote is one small all-reduce (about 1 ms on gloo),
@@ -171,12 +243,14 @@ class StopVote:
 class SignalForwarder:
     """The launcher's side: the first stop signal or Ctrl-C it receives goes on to the
     workers (the same signal, so that they say which came), and they get `grace`
-    seconds to save; a second one stops now."""
+    seconds to save; a second one stops now. Its `signum` is the signal that the job
+    was stopped by, and the one its stop line names."""
 
     def __init__(self, pids: Callable[[], list[int]], grace: float) -> None:
         self.pids, self.grace = pids, grace
         self.signum = 0
         self.deadline: float | None = None  # time.monotonic() by which the ranks must stop
+        self._sent: set[int] = set()  # the workers that the signal was passed on to
 
     def install(self) -> dict[int, Any]:
         """Handle the stop signals and Ctrl-C; returns the previous handlers."""
@@ -206,6 +280,13 @@ class SignalForwarder:
                 file=sys.stderr,
                 flush=True,
             )
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        """Pass the signal received on to the workers that it has not reached yet (one
+        started just as it came); nothing before a signal."""
         for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+            if self.signum and pid not in self._sent:
+                self._sent.add(pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, self.signum)

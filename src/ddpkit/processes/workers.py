@@ -27,7 +27,12 @@ from ddpkit.processes.config import LOOPBACK
 from ddpkit.processes.group import destroy_group, device_for, init_group
 from ddpkit.processes.machine import threads_per_rank
 from ddpkit.processes.nccl import nccl_watch
-from ddpkit.processes.preemption import STOP_SIGNALS, install_handlers
+from ddpkit.processes.preemption import (
+    STOP_SIGNALS,
+    install_handlers,
+    leave_notices_to_launcher,
+    starting_up,
+)
 from ddpkit.processes.store import TCPStore, loopback_interface
 from ddpkit.processes.watchdog import Watchdog, format_exception, waited_in
 
@@ -128,8 +133,10 @@ def worker(
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     # SIGTERM, SIGUSR1 or SIGINT: save and stop if a Trainer with a checkpoint folder
-    # runs, else stop at once (see preemption).
+    # runs, else stop at once (see preemption). A Ctrl-C comes by the launcher, which
+    # says what it does.
     install_handlers((*STOP_SIGNALS, signal.SIGINT))
+    leave_notices_to_launcher()
     if not logging.getLogger().handlers:
         logging.basicConfig(level=spec.log_level, format=f"[rank {rank}] %(message)s")
     world = spec.world_size
@@ -157,6 +164,25 @@ def worker(
         spec.backend, spec.hang_timeout, spec.timeout_s, traces, os.environ
     )
     os.environ.update(nccl_env)
+    # The launcher learns of this rank's first optimizer step: until some rank has
+    # taken one, a stop signal loses nothing and the job ends as StoppedAtStart.
+    with starting_up(on_first_step=lambda: _say_trained(conn)):
+        code = _run_rank(rank, spec, fn, args, conn, group_timeout, watchdog)
+    exit_now(code)
+
+
+def _run_rank(
+    rank: int,
+    spec: Spec,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+    group_timeout: float,
+    watchdog: Watchdog | None,
+) -> int:
+    """Join the group, run `fn`, send its result or its error on `conn`, leave the
+    group; the exit status this worker ends with."""
+    world = spec.world_size
     initialised = False
     failed = False
     code = 0
@@ -202,7 +228,7 @@ def worker(
             # After an error an NCCL collective may still wait for a peer: abort it.
             destroy_group(failed=failed)
         conn.close()
-    exit_now(code)
+    return code
 
 
 def exit_now(code: int) -> NoReturn:
@@ -254,6 +280,14 @@ def _tensor_on_cpu(t: torch.Tensor) -> torch.Tensor:
         return torch.nn.Parameter(moved, requires_grad=t.requires_grad)
     # A copy that kept the autograd history would not pickle; requires_grad is kept.
     return moved.requires_grad_(t.requires_grad) if t.is_floating_point() else moved
+
+
+def _say_trained(conn: Connection) -> None:
+    """Tell the launcher that this rank took its first optimizer step."""
+    # Called inside optimizer.step(): a launcher that is gone (this worker is about to
+    # be killed with it) must not turn into an error of the step.
+    with contextlib.suppress(OSError):
+        _send(conn, ("trained", None))
 
 
 def _report(conn: Connection, exc: BaseException) -> None:

@@ -4,7 +4,8 @@ Every logger gets each record that metrics.jsonl gets, from rank 0 only (RunLog 
 there), at the same global step:
 
 - "csv": `steps.csv` and `epochs.csv` in the run folder, one row per record. The
-  columns are `step`, `time` (seconds since the start) and then the record's values in
+  columns are `step`, `time` (seconds since the run started training, going on across
+  a resume: see `ddpkit.records.runlog`) and then the record's values in
   the order they first came; an empty cell is a value that is missing or None (no
   gradient norm; a loss that was NaN or infinite, which metrics.jsonl writes as null).
   A record with a value the file has no column for rewrites the file with that column

@@ -319,7 +319,8 @@ def _default_labels(run_dirs: Sequence[str | os.PathLike[str]]) -> list[str]:
 
 def _continuous_time(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The records with `time` counted on from where it stopped when it starts again: a
-    resumed run appends to the same metrics.jsonl, and its clock restarts at 0."""
+    resumed run appends to the same metrics.jsonl, and before ddpkit's run log carried
+    the time on across a resume, its clock restarted at 0 (such files are still read)."""
     out: list[dict[str, Any]] = []
     offset, prev_raw, prev = 0.0, None, 0.0
     for record in records:

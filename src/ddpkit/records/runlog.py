@@ -3,8 +3,12 @@
 `config.json` holds the resolved config; `metrics.jsonl` one JSON object per line,
 `{"kind": "step", ...}` every `log_every` optimizer steps (rank 0's numbers, so no rank
 waits on another) and `{"kind": "epoch", ...}` after each epoch (numbers over all
-ranks). The loggers that the config's `loggers` names (csv, tensorboard, mlflow,
-wandb: see `ddpkit.records.loggers`) get the same records. `ddpkit plot RUN_DIR` draws them.
+ranks). Each record's `time` is the seconds since the run started training, and a
+resumed run goes on from the `time` of the last record it continues (the time between
+that record and the stop, and while no job ran, is not counted), so the `time` of a
+run's records, and of its CSV files' rows, only ever grows. The loggers that the
+config's `loggers` names (csv, tensorboard, mlflow, wandb: see `ddpkit.records.loggers`)
+get the same records. `ddpkit plot RUN_DIR` draws them.
 
 A new run (the config's `resume` false) into a folder whose metrics.jsonl (or CSV
 file) already holds records keeps the last run's files under the first number N that
@@ -53,6 +57,9 @@ class RunLog:
 
     def __init__(self, run_dir: str | None, config: dict[str, Any], *, enabled: bool) -> None:
         self.start = time.perf_counter()
+        self.resumed_at = 0.0
+        """The `time` of the last record that this (resumed) run continues; 0 for a
+        new run. Its own records' `time` counts on from there."""
         self.folder = Path(run_dir) if run_dir and enabled else None
         self.kept: Path | None = None
         """The last run's metrics file, renamed (metrics.1.jsonl, ...) for this run's
@@ -88,10 +95,12 @@ class RunLog:
             changes.files.append(staged)
             if not config.get("resume"):
                 self.kept = keep_last_run(self.folder, renamed=changes.renames)
-            # Append: a resumed run continues the same record.
+            # Append: a resumed run continues the same record, and its clock.
             target = self.folder / "metrics.jsonl"
             if not _exists(target):
                 changes.files.append(target)
+            elif config.get("resume"):
+                self.resumed_at = last_time(target)
             self._file = target.open("a", buffering=1)
         except OSError as exc:
             raise self._failed(target, exc) from None
@@ -114,7 +123,7 @@ class RunLog:
     def write(self, kind: str, step: int, values: dict[str, float | int | None]) -> None:
         if self._file is None:
             return
-        now = round(time.perf_counter() - self.start, 3)
+        now = round(self.resumed_at + time.perf_counter() - self.start, 3)
         record: dict[str, Any] = {"kind": kind, "step": step, "time": now}
         for key, value in values.items():
             record[key] = None if isinstance(value, float) and not math.isfinite(value) else value
@@ -181,6 +190,28 @@ class RunLog:
         return ConfigError(
             f"cannot write the run log {path}: {what}: {fix}, or pass another --run-dir"
         )
+
+
+# Bytes read from the end of metrics.jsonl for its last record's time: a record is a
+# few hundred bytes, so the last whole one is in there.
+_TAIL_BYTES = 64 * 1024
+
+
+def last_time(path: Path) -> float:
+    """The `time` of the last record in metrics.jsonl `path` that has one (a line cut
+    short by a crash is passed over); 0.0 when none has."""
+    with path.open("rb") as f:
+        f.seek(max(f.seek(0, os.SEEK_END) - _TAIL_BYTES, 0))
+        lines = f.read().splitlines()
+    for line in reversed(lines):
+        try:
+            value = json.loads(line).get("time")
+        except (ValueError, AttributeError):  # half a line, or not a record
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and math.isfinite(value):
+            return float(value)
+    return 0.0
 
 
 def keep_last_run(folder: Path, *, renamed: list[tuple[Path, Path]] | None = None) -> Path | None:
