@@ -137,6 +137,14 @@ def _gpt(ctx: ddpkit.DistContext, folder: str, phase: str, stop_at: int) -> dict
     job = build_job(ctx, "gpt", config)
     callbacks = [_SignalRank1(stop_at)] if phase == "cut" else []
     trainer = job.trainer(ctx, config, callbacks=callbacks, log_fn=lambda _: None)
+    return _fit_and_compare(ctx, trainer, folder, phase)
+
+
+def _fit_and_compare(
+    ctx: ddpkit.DistContext, trainer: ddpkit.Trainer, folder: str, phase: str
+) -> dict[str, Any]:
+    """Fit, keep what every rank holds, and compare the ranks (and, resumed, each rank
+    with the straight run's)."""
     trainer.fit()
     state = held_state(trainer.model, trainer.optimizer, trainer.scheduler)
     torch.save(state, Path(folder, f"{phase}-rank{ctx.rank}.pt"))
@@ -204,10 +212,7 @@ def _endless(ctx: ddpkit.DistContext, folder: str, phase: str, steps: int) -> di
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)),
         log_fn=lambda _: None,
     )
-    trainer.fit()
-    state = held_state(trainer.model, trainer.optimizer, trainer.scheduler)
-    torch.save(state, Path(folder, f"{phase}-rank{ctx.rank}.pt"))
-    return {"compare": _compare(ctx, Path(folder), phase), "step": trainer.global_step}
+    return _fit_and_compare(ctx, trainer, folder, phase)
 
 
 def test_an_endless_iterable_dataset_trains_max_steps_and_resumes_exactly(tmp_path: Path) -> None:

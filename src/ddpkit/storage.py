@@ -247,11 +247,17 @@ def fsync_folder(folder: Path) -> None:
 # place would leave it damaged under its name, file by file, until the last one is gone.
 
 
+def temporary_name(path: Path) -> Path:
+    """A new hidden name beside `path` for its bytes in the making or on their way out,
+    `.<name>.<pid>@<host>.<random>.tmp`, which the next job clears if this one dies."""
+    token = f"{os.getpid()}@{host_token(socket.gethostname())}.{secrets.token_hex(4)}"
+    return path.with_name(f".{path.name}.{token}.tmp")
+
+
 def set_aside(path: Path) -> Path:
     """Rename `path` (a file or a folder) to a new hidden temporary name beside it, and
     return that name."""
-    token = f"{os.getpid()}@{host_token(socket.gethostname())}.{secrets.token_hex(4)}"
-    aside = path.with_name(f".{path.name}.{token}.tmp")
+    aside = temporary_name(path)
     os.rename(path, aside)
     return aside
 

@@ -54,6 +54,7 @@ from ddpkit.storage import (
     install,
     is_running,
     os_error_in,
+    temporary_name,
     this_process,
     write_failure,
 )
@@ -353,19 +354,11 @@ def keep_as_best(path: Path, ctx: DistContext) -> Path:
     best = path.with_name(f"best{path.suffix}")
 
     def keep() -> None:
-        me = this_process()
-        tmp = Path(
-            tempfile.mkdtemp(
-                prefix=f".{best.name}.{me.pid}@{host_token(me.host)}.",
-                suffix=".tmp",
-                dir=path.parent,
-            )
-        )
+        tmp = temporary_name(best)
         try:
             if path.is_dir():
-                shutil.copytree(path, tmp, dirs_exist_ok=True)
+                shutil.copytree(path, tmp)
             else:
-                tmp.rmdir()
                 try:
                     os.link(path, tmp)
                 except OSError:  # a filesystem without hard links
