@@ -13,13 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from ddpkit.check.callgraph import CallGraph, Context, Unit
-from ddpkit.check.index import Guard, Index, Scope, Site, build_index
+from ddpkit.check.callgraph import DISTRIBUTED, CallGraph, Context, Unit
+from ddpkit.check.index import Guard, Index, Ref, Scope, Site, build_index
 from ddpkit.check.linking import Link
 from ddpkit.check.names import tail
-from ddpkit.check.ranks import SPAWNERS, RankModel
+from ddpkit.check.paths import Divergence, PathModel
+from ddpkit.check.ranks import SPAWNERS, RankFacts, RankModel
 
-DISTRIBUTED = "torch.distributed"
 DDP_CLASS = "DistributedDataParallel"
 
 
@@ -43,6 +43,10 @@ class RankOnly:
     via: Scope | None  # the function through which it is reached, if not direct
     # The line of the guard (or of the guarded call of `via`), for messages.
     line: int
+    # The two ranks that the guard tells apart (None through a decorator).
+    divergence: Divergence | None = None
+    # True when the rank test is a rank by data flow (see `RankModel`), not by its name.
+    proven: bool = False
 
 
 class FileAnalysis:
@@ -69,6 +73,8 @@ class FileAnalysis:
         # This file's place among the files checked together (what `Link.target` counts).
         self.position = 0
         self.shared_callgraph: Callable[[], CallGraph] | None = None
+        # Shared with the other files of the program by `program.py`.
+        self.rank_facts: RankFacts | None = None
         self.calls_by_tail: dict[str, list[Site]] = {}
         for site in self.index.calls:
             name = tail(site.call.func)
@@ -80,8 +86,21 @@ class FileAnalysis:
         return RankModel(self.index)
 
     @cached_property
+    def proven(self) -> RankModel:
+        """Ranks by data flow only: what an error-level finding rests on."""
+        return RankModel(self.index, by_name=False, facts=self.rank_facts)
+
+    @cached_property
+    def paths(self) -> PathModel:
+        return PathModel(self.ranks.is_rank_condition)
+
+    @cached_property
     def unit(self) -> Unit:
-        return Unit(self.index, self.ranks, self.links)
+        return Unit(self.index, self.ranks, self.paths, self.proven, self.links)
+
+    def is_proven(self, divergence: Divergence, scope: Scope) -> bool:
+        """The rank test that tells the two ranks apart is a rank by data flow."""
+        return self.proven.is_rank_condition(divergence.atom, scope)
 
     @cached_property
     def callgraph(self) -> CallGraph:
@@ -135,6 +154,10 @@ class FileAnalysis:
         """True when `name` is read anywhere (as a name or an attribute), even in `except`."""
         return name in self.index.seen or name in self.index.seen_in_except
 
+    def callees(self, ref: Ref) -> list[Scope]:
+        """The functions of the program that a mention in this file surely stands for."""
+        return self.callgraph.callees(self.unit, ref)
+
     @cached_property
     def process_group_inits(self) -> list[Site]:
         return self.calls("init_process_group")
@@ -171,17 +194,31 @@ class FileAnalysis:
         return self.callgraph.context(site.scope) is Context.ALL
 
     def rank_only(self, site: Site) -> RankOnly | None:
-        """Why `site` runs on some ranks only, or None when it may run on all of them."""
-        guard = self.ranks.rank_guard(site.guards, site.scope)
-        if guard is not None:
-            return RankOnly(guard, None, guard.test.lineno)
+        """Why `site` runs on some ranks only, or None when it may run on all of them.
+
+        Its own guards count as one condition (see `paths.py`); through its callers,
+        the call graph's GUARDED context and the guard of the mention that shows it.
+        """
+        found = self.paths.divergence(site.guards, site.scope)
+        if found is not None:
+            proven = self.is_proven(found, site.scope)
+            return RankOnly(found.guard, None, found.guard.test.lineno, found, proven)
         if self.callgraph.context(site.scope) is not Context.GUARDED:
             return None
         witness = self.callgraph.witness(site.scope)
         if witness is None:
-            return RankOnly(None, site.scope, getattr(site.scope.node, "lineno", 1))
+            # A `@rank_zero_only`-style decorator: the library runs it on rank 0 only.
+            return RankOnly(None, site.scope, getattr(site.scope.node, "lineno", 1), None, True)
         line = witness.guard.test.lineno if witness.guard is not None else witness.ref.line
-        return RankOnly(witness.guard, site.scope, line)
+        # The proof lies where the chain of callers meets its rank test.
+        edge, seen = witness, {site.scope}
+        while edge.guard is None and edge.owner is not None and edge.owner not in seen:
+            seen.add(edge.owner)
+            caller = self.callgraph.witness(edge.owner)
+            if caller is None:  # a `@rank_zero_only`-style decorator further up
+                return RankOnly(witness.guard, site.scope, line, None, True)
+            edge = caller
+        return RankOnly(witness.guard, site.scope, line, edge.divergence, edge.proven)
 
     @cached_property
     def launcher_scopes(self) -> set[Scope]:

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ddpkit.check.index import ClassInfo, Guard, Index, Ref, Scope
+from ddpkit.collectives import COLLECTIVES
 from ddpkit.check.linking import Link
 from ddpkit.check.names import dotted
+from ddpkit.check.paths import Divergence, PathModel
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS, RankModel
 
 
@@ -44,6 +46,8 @@ class Unit:
 
     index: Index
     ranks: RankModel
+    paths: PathModel
+    proven: RankModel  # ranks by data flow only
     links: dict[str, Link] = field(default_factory=dict)
 
 
@@ -53,11 +57,14 @@ class Edge:
 
     ref: Ref
     owner: Scope | None  # the function the mention sits in (None at module level)
-    guard: Guard | None
+    guard: Guard | None  # the rank guard that keeps some ranks from the mention
     exact: bool  # False when matched by the method name alone
+    divergence: Divergence | None = None  # the two ranks that guard tells apart
+    proven: bool = False  # its rank test is a rank by data flow
 
 
 _Class = tuple[Unit, ClassInfo]
+DISTRIBUTED = "torch.distributed"
 _MAX_HOPS = 4  # re-exports followed through `__init__.py` files
 
 
@@ -89,9 +96,22 @@ class CallGraph:
                 if not targets:
                     continue
                 owner = None if ref.scope.is_module else ref.scope
-                edge = Edge(ref, owner, unit.ranks.rank_guard(ref.guards, ref.scope), exact)
+                found = unit.paths.divergence(ref.guards, ref.scope)
+                edge = Edge(
+                    ref,
+                    owner,
+                    found.guard if found is not None else None,
+                    exact,
+                    found,
+                    found is not None and unit.proven.is_rank_condition(found.atom, ref.scope),
+                )
                 for target in targets:
                     self._incoming[target].append(edge)
+        unit_of = {fn: unit for unit in self._units for fn in unit.index.functions}
+        self._unit_of = unit_of
+        self._collectives: dict[Scope, frozenset[str]] = {}
+        for fn in unit_of:
+            self._join_branches(fn, unit_of)
         self._context: dict[Scope, Context] = {}
         self._witness: dict[Scope, Edge] = {}
         self._solve()
@@ -222,6 +242,22 @@ class CallGraph:
             return self._methods(cls, name), True
         return self._by_name(unit, name), False
 
+    def _join_branches(self, fn: Scope, unit_of: dict[Scope, Unit]) -> None:
+        """`if rank == src: send(t) else: recv(t)` with both helpers calling one
+        collective, or the same helper in both branches: every rank calls it once, so
+        mentions from one function whose paths together cover every rank stand for an
+        unguarded mention."""
+        by_owner: dict[Scope, list[Edge]] = {}
+        for edge in self._incoming.get(fn, ()):
+            if edge.guard is not None and edge.exact and edge.owner is not None:
+                by_owner.setdefault(edge.owner, []).append(edge)
+        for owner, edges in by_owner.items():
+            if len(edges) < 2:
+                continue
+            paths = unit_of[owner].paths
+            if not paths.any_diverges([e.ref.guards for e in edges], owner):
+                self._incoming[fn].append(Edge(edges[0].ref, owner, None, True))
+
     # -- solving ----------------------------------------------------------------------
 
     def _solve(self) -> None:
@@ -300,6 +336,30 @@ class CallGraph:
         """The functions a mention in `unit` surely stands for (none when it is a guess)."""
         targets, exact = self._targets(unit, ref)
         return targets if exact else []
+
+    def collectives_of(self, fn: Scope, _depth: int = 0) -> frozenset[str]:
+        """The `torch.distributed` collectives that calling `fn` makes, directly or
+        through the functions it surely calls (a few levels deep)."""
+        memo = self._collectives.get(fn)
+        if memo is not None:
+            return memo
+        unit = self._unit_of.get(fn)
+        if unit is None or _depth > _MAX_HOPS:
+            return frozenset()
+        self._collectives[fn] = frozenset()  # a recursive call adds nothing new
+        imports = unit.index.imports
+        made = {
+            member
+            for site in unit.index.calls
+            if site.scope is fn
+            and (member := imports.resolves_to(site.call.func, DISTRIBUTED, COLLECTIVES))
+        }
+        for ref in unit.index.refs:
+            if ref.scope is fn and ref.call_expr is not None:
+                for callee in self.callees(unit, ref):
+                    made |= self.collectives_of(callee, _depth + 1)
+        self._collectives[fn] = frozenset(made)
+        return self._collectives[fn]
 
     def called_in_loops(self) -> set[Scope]:
         """Functions that run inside a loop of their callers (directly or through calls)."""

@@ -46,6 +46,9 @@ class Scope:
     params: tuple[str, ...] = ()
     decorators: tuple[str, ...] = ()
     returns: list[ast.expr] = field(default_factory=list)
+    # Variables this function binds (parameters, assignment and loop targets): inside
+    # it, and in the functions nested in it, such a name is never a module function.
+    local_names: set[str] = field(default_factory=set)
 
     @property
     def is_module(self) -> bool:
@@ -138,7 +141,7 @@ def defined_names(tree: ast.Module) -> set[str]:
 _EXIT_CALLS = frozenset({"exit", "_exit", "quit"})
 
 
-def _exits(body: list[ast.stmt]) -> bool:
+def exits(body: list[ast.stmt]) -> bool:
     """True when a block always leaves: it ends in return, raise, continue, break or exit()."""
     last = body[-1]
     if isinstance(last, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
@@ -270,6 +273,14 @@ class _Indexer:
             for cls in [leaf, *leaf.__subclasses__()]:
                 self._handlers.setdefault(cls, _ignore)
         self._visit(tree)
+        # A bare name bound as a variable in its function (`evaluate = {...}`, a
+        # parameter `evaluate`) is that variable wherever it is read there, even above
+        # the binding: Python decides a function's local names for its whole body.
+        self.index.refs = [
+            ref
+            for ref in self.index.refs
+            if ref.receiver is not None or not _is_local_variable(ref.scope, ref.name)
+        ]
 
     # -- dispatch -----------------------------------------------------------------
 
@@ -314,7 +325,7 @@ class _Indexer:
             self._visit(stmt)
             # `if not is_main: return` guards everything after it in this block.
             if isinstance(stmt, ast.If) and (
-                _exits(stmt.body) or (stmt.orelse and _exits(stmt.orelse))
+                exits(stmt.body) or (stmt.orelse and exits(stmt.orelse))
             ):
                 self._guards = (*self._guards, Guard(stmt.test, stmt, AFTER))
         self._guards = saved
@@ -344,6 +355,7 @@ class _Indexer:
             class_name=self._class_name,
             is_method=in_class is not None,
             params=params,
+            local_names=set(params),
             decorators=tuple(
                 t
                 for d in node.decorator_list
@@ -388,8 +400,17 @@ class _Indexer:
         self._loop_depth -= 1
         self._body(node.orelse)
 
+    def _bind(self, target: ast.expr | None) -> None:
+        """Note the plain names a `for` or `with ... as` target binds in this function."""
+        if type(target) is ast.Name:
+            self._scope.local_names.add(target.id)
+        elif isinstance(target, (ast.Tuple, ast.List)):
+            for elt in target.elts:
+                self._bind(elt)
+
     def _for(self, node: ast.For | ast.AsyncFor) -> None:
         self.index.loops.append(self._site(node))
+        self._bind(node.target)
         self._visit(node.iter)
         self._loop_depth += 1
         self._body(node.body)
@@ -399,6 +420,7 @@ class _Indexer:
     def _with(self, node: ast.With | ast.AsyncWith) -> None:
         for item in node.items:
             self._visit(item.context_expr)
+            self._bind(item.optional_vars)
         self._body(node.body)
 
     def _try(self, node: Any) -> None:
@@ -423,6 +445,8 @@ class _Indexer:
                 self._record(t, v)
         else:
             assignments.append(Assignment(target, value, self._scope))
+            if type(target) is ast.Name:
+                self._scope.local_names.add(target.id)
 
     def _assign(self, node: ast.Assign) -> None:
         for target in node.targets:
@@ -498,6 +522,15 @@ class _Indexer:
             self._guards = (*self._guards, Guard(previous, node, OPERAND))
             self._visit(value)
         self._guards = saved
+
+
+def _is_local_variable(scope: Scope | None, name: str) -> bool:
+    """`name` is a variable of `scope` or of a function it is nested in (not the module)."""
+    while scope is not None and scope.parent is not None:
+        if name in scope.local_names:
+            return True
+        scope = scope.parent
+    return False
 
 
 def _ignore(node: ast.AST) -> None:

@@ -17,6 +17,7 @@ from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.callgraph import CallGraph
 from ddpkit.check.index import defined_names
 from ddpkit.check.linking import Link, Linker
+from ddpkit.check.ranks import RankFacts, RankModel
 
 
 def _components(links: Sequence[dict[str, Link]]) -> list[int]:
@@ -68,4 +69,14 @@ def analyse_program(
     for fa in analyses:
         if len(fa.peers) > 1:
             fa.shared_callgraph = shared
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        facts = RankFacts()
+        for fa in members:
+            fa.rank_facts = facts
+        # A first pass over every file, so that each file's own model (built when a
+        # rule asks) sees what the others show: `args.rank` set in `utils.py`.
+        for fa in members:
+            RankModel(fa.index, by_name=False, facts=facts)
     return analyses

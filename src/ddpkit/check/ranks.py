@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import cache
 
 from ddpkit.check.index import Assignment, Guard, Index, Scope
@@ -52,6 +53,33 @@ RANK_ENV = frozenset(
         "PMI_RANK",
     }
 )
+# The torch calls that return this process's rank.
+RANK_SOURCES = frozenset(
+    {
+        "torch.distributed.get_rank",
+        "torch.distributed.get_node_local_rank",
+        "torch.distributed.get_group_rank",
+    }
+)
+# Attributes that libraries document as the process's rank (ddpkit's ctx, Accelerate's
+# Accelerator and PartialState, Lightning's Fabric and Trainer, HF's TrainingArguments)
+# or that the launcher fills in (`--local_rank` of torch.distributed.launch).
+LIBRARY_RANK_ATTRIBUTES = frozenset(
+    {"rank", "local_rank", "global_rank", "node_rank", "process_index", "local_process_index"}
+)
+LIBRARY_MAIN_ATTRIBUTES = frozenset(
+    {
+        "is_main",
+        "is_main_process",
+        "is_local_main_process",
+        "is_global_zero",
+        "is_world_process_zero",
+        "is_local_process_zero",
+    }
+)
+# Calls whose `rank=` argument, and whose `device_ids=[...]`, is this process's rank.
+_RANK_KEYWORD_USERS = frozenset({"init_process_group", "DistributedSampler"})
+_DEVICE_IDS_USERS = frozenset({"DistributedDataParallel", "DDP"})
 # Decorators whose function body runs on rank 0 only (Lightning, accelerate, mmengine).
 RANK_ZERO_DECORATORS = frozenset(
     {"rank_zero_only", "master_only", "main_process_only", "on_main_process"}
@@ -151,24 +179,67 @@ def _add(names: set[str], name: str) -> bool:
     return news
 
 
-class RankModel:
-    """Answers "is this a rank?" and "does this condition differ between ranks?"."""
+@dataclass
+class RankFacts:
+    """Attributes and functions shown to carry a rank, shared by the files of a program:
+    `args.rank = int(os.environ["RANK"])` in `utils.py` makes `args.rank` a rank in
+    `main.py` too, and `def is_main_process(): return get_rank() == 0` there makes
+    `utils.is_main_process()` a rank test."""
 
-    def __init__(self, index: Index) -> None:
+    value_attrs: set[str] = field(default_factory=set)
+    predicate_attrs: set[str] = field(default_factory=set)
+    value_functions: set[str] = field(default_factory=set)
+    predicate_functions: set[str] = field(default_factory=set)
+
+
+class RankModel:
+    """Answers "is this a rank?" and "does this condition differ between ranks?".
+
+    With `by_name` (the default) a name shaped like a rank (`rank`, `gpu_id`,
+    `is_master`) counts as one: that is how people name them, and rules that only keep
+    quiet on rank-0 code are safer for it. With `by_name=False` a value is a rank only
+    by data flow from a rank source: `dist.get_rank()`, a `RANK`-like environment
+    variable, the process index `mp.spawn` passes, `--local_rank` from the launcher,
+    the rank attributes of ddpkit, Accelerate and Lightning, and whatever is computed
+    from those (assignments, parameters given them, functions returning them). That is
+    the proof an error-level finding needs.
+    """
+
+    def __init__(
+        self, index: Index, *, by_name: bool = True, facts: RankFacts | None = None
+    ) -> None:
         self._index = index
+        self._by_name = by_name
         self._value_names: dict[Scope, set[str]] = {}
         self._predicate_names: dict[Scope, set[str]] = {}
-        self._value_attrs: set[str] = set()
-        self._predicate_attrs: set[str] = set()
-        self._value_functions: set[str] = set()
-        self._predicate_functions: set[str] = set()
+        facts = facts if facts is not None else RankFacts()
+        self._value_attrs = facts.value_attrs
+        self._predicate_attrs = facts.predicate_attrs
+        self._value_functions = facts.value_functions
+        self._predicate_functions = facts.predicate_functions
+        if not by_name:
+            self._value_attrs.update(LIBRARY_RANK_ATTRIBUTES)
+            self._predicate_attrs.update(LIBRARY_MAIN_ATTRIBUTES)
         self._condition_memo: dict[int, bool] = {}
         # Answers are memoised only once the taint below has settled.
         self._settled = False
+        if not by_name:
+            self._follow_uses()
         self._follow_assignments(index.assignments)
         self._follow_parameters()
         self._follow_returns()
         self._settled = True
+
+    def _rank_name(self, name: str) -> bool:
+        return self._by_name and is_rank_name(name)
+
+    def _predicate_name(self, name: str) -> bool:
+        return self._by_name and is_predicate_name(name)
+
+    def _rank_function(self, call: ast.Call, name: str) -> bool:
+        if self._by_name:
+            return is_rank_function(name)
+        return self._index.imports.resolve(call.func) in RANK_SOURCES
 
     # -- taint ----------------------------------------------------------------------
 
@@ -201,6 +272,26 @@ class RankModel:
             if last_change <= 0:
                 break
             todo = todo[:last_change]
+
+    def _follow_uses(self) -> None:
+        """A value the file hands to torch as this process's rank is one:
+        `init_process_group(rank=r)`, `DistributedSampler(..., rank=r)`,
+        `torch.cuda.set_device(local_rank)`, `DDP(model, device_ids=[local_rank])`."""
+        for site in self._index.calls:
+            call = site.call
+            name = tail(call.func)
+            given: list[ast.expr] = []
+            if name in _RANK_KEYWORD_USERS:
+                given = [k.value for k in call.keywords if k.arg == "rank"]
+            elif name == "set_device" and call.args:
+                given = [call.args[0]]
+            elif name in _DEVICE_IDS_USERS:
+                for k in call.keywords:
+                    if k.arg == "device_ids" and isinstance(k.value, (ast.List, ast.Tuple)):
+                        given = list(k.value.elts[:1])
+            for value in given:
+                if isinstance(value, (ast.Name, ast.Attribute)):
+                    self._taint(value, site.scope, predicate=False)
 
     def _follow_parameters(self) -> None:
         """A parameter that a call of this file passes a rank to is a rank."""
@@ -243,7 +334,7 @@ class RankModel:
             self._follow_assignments(a for a in index.assignments if a.scope.is_method)
 
     def _taint_param(self, fn: Scope, param: str) -> bool:
-        return not is_rank_name(param) and _add(self._value_names.setdefault(fn, set()), param)
+        return not self._rank_name(param) and _add(self._value_names.setdefault(fn, set()), param)
 
     def _follow_returns(self) -> None:
         """`def is_main(): return dist.get_rank() == 0` makes `is_main()` a predicate."""
@@ -274,14 +365,14 @@ class RankModel:
     def is_rank_value(self, expr: ast.expr, scope: Scope) -> bool:
         """True when `expr` evaluates to this process's rank (or a number made from it)."""
         if isinstance(expr, ast.Name):
-            return is_rank_name(expr.id) or self._has_name(self._value_names, expr.id, scope)
+            return self._rank_name(expr.id) or self._has_name(self._value_names, expr.id, scope)
         if isinstance(expr, ast.Attribute):
-            return is_rank_name(expr.attr) or expr.attr in self._value_attrs
+            return self._rank_name(expr.attr) or expr.attr in self._value_attrs
         if isinstance(expr, ast.Call):
             name = tail(expr.func)
             if name is None:
                 return False
-            if is_rank_function(name) or name in self._value_functions:
+            if self._rank_function(expr, name) or name in self._value_functions:
                 return True
             if name in _WRAPPERS and len(expr.args) == 1:
                 return self.is_rank_value(expr.args[0], scope)
@@ -300,15 +391,17 @@ class RankModel:
     def is_rank_predicate(self, expr: ast.expr, scope: Scope) -> bool:
         """True when `expr` is a boolean that says "this is the main process"."""
         if isinstance(expr, ast.Name):
-            return is_predicate_name(expr.id) or self._has_name(
+            return self._predicate_name(expr.id) or self._has_name(
                 self._predicate_names, expr.id, scope
             )
         if isinstance(expr, ast.Attribute):
-            return is_predicate_name(expr.attr) or expr.attr in self._predicate_attrs
+            return self._predicate_name(expr.attr) or expr.attr in self._predicate_attrs
         if isinstance(expr, ast.Call):
             name = tail(expr.func)
             return name is not None and (
-                is_predicate_name(name) or name in self._predicate_functions
+                self._predicate_name(name)
+                or name in self._predicate_functions
+                or (not self._by_name and name in LIBRARY_MAIN_ATTRIBUTES)
             )
         return False
 

@@ -85,7 +85,9 @@ def _run_rules(
     findings: list[Finding] = []
     lines: list[str] | None = None
     for rule in RULES if rules is None else rules:
-        for node, message in rule.check(analysis):
+        for hit in rule.check(analysis):
+            node, message = hit[0], hit[1]
+            severity = hit[2] if len(hit) == 3 else rule.severity
             line = getattr(node, "lineno", 1)
             col = getattr(node, "col_offset", 0) + 1
             if lines is None:
@@ -94,7 +96,7 @@ def _run_rules(
             silenced = _noqa_codes(lines[line - 1]) if 0 < line <= len(lines) else None
             if silenced is not None and (not silenced or rule.code in silenced):
                 continue
-            findings.append(Finding(path, line, col, rule.code, rule.severity, message))
+            findings.append(Finding(path, line, col, rule.code, severity, message))
     return sorted(set(findings))
 
 

@@ -11,8 +11,9 @@ from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import AFTER, OPERAND, ORELSE, Assignment, Guard, Scope
 from ddpkit.check.model import Severity
 
-# A rule reports the node to point at and its message.
-Hit = tuple[ast.AST, str]
+# A rule reports the node to point at and its message; a third item, when given, is
+# the severity of this one finding (a rule whose proof is weaker here says so).
+Hit = tuple[ast.AST, str] | tuple[ast.AST, str, Severity]
 
 
 @dataclass(frozen=True)

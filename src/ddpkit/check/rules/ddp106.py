@@ -1,13 +1,21 @@
-"""DDP106: a collective that only some ranks reach, so the others wait forever."""
+"""DDP106: a collective that only some ranks reach, so the others wait forever.
+
+Error level needs a proof: a pair of ranks whose paths make different collective
+calls, told apart by a value that is a rank by data flow (see `ranks.py` and
+`paths.py`). A rank test known only by its name (`if is_master:` with no source in
+sight) gives a warning.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import DISTRIBUTED, FileAnalysis, RankOnly
 from ddpkit.check.index import Site
 from ddpkit.check.model import Severity
+from ddpkit.check.paths import Divergence
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS
 from ddpkit.check.rules.base import Hit, Rule, argument, describe_guard, scope_label, show
 from ddpkit.collectives import COLLECTIVES
@@ -27,26 +35,65 @@ def _on_subgroup(call: ast.Call) -> bool:
     return not (isinstance(group, ast.Attribute) and group.attr == "WORLD")
 
 
-def _balanced(fa: FileAnalysis, site: Site, member: str, why: RankOnly) -> bool:
-    """`if is_main: barrier() ... else: barrier()`: each rank does reach one call.
+def _events(fa: FileAnalysis, site: Site, member: str) -> list[Site]:
+    """The places in the site's function that make collective `member`: its own calls
+    and calls of the program's functions that make it."""
+    found: list[Site] = [
+        other
+        for other, other_member in _collectives(fa)
+        if other.scope is site.scope and other_member == member
+    ]
+    for ref in fa.index.refs:
+        if ref.scope is site.scope and ref.call_expr is not None:
+            if any(member in fa.callgraph.collectives_of(fn) for fn in fa.callees(ref)):
+                found.append(ref)
+    return found
 
-    Another call of the same collective in the same function, under a different rank
-    condition, means the user is pairing them up on purpose; trust it.
-    """
-    if why.guard is None or why.via is not None:
+
+def _counts(fa: FileAnalysis, events: list[Site], env: dict[str, bool]) -> int | None:
+    """How many of `events` a rank with tests `env` passes; None when one cannot tell."""
+    total = 0
+    for event in events:
+        holds = fa.paths.holds(event.guards, env)
+        if holds is None:
+            return None
+        total += holds
+    return total
+
+
+def _balanced(fa: FileAnalysis, site: Site, member: str, why: RankOnly) -> bool:
+    """The rank that skips the site makes `member` in this function at least as often
+    as the rank that reaches it: `if rank == src: send() else: recv()` pairs, the same
+    call in both branches (where one side makes more calls, the surplus is reported)."""
+    found = why.divergence
+    if found is None or not found.reach:
         return False
-    for other, other_member in fa.resolved_calls(DISTRIBUTED, frozenset({member})):
-        if other is site or other.scope is not site.scope or other_member != member:
-            continue
-        other_guard = fa.ranks.rank_guard(other.guards, other.scope)
-        if other_guard is not None and why.guard not in other.guards:
-            return True
-    return False
+    events = _events(fa, site, member)
+    reach, skip = _counts(fa, events, found.reach), _counts(fa, events, found.skip)
+    if reach is not None and skip is not None:
+        # Unequal counts hang the side that makes more calls: point at that side.
+        return reach <= skip
+    # A partner under a rank test of its own that the site's tests cannot decide:
+    # the user is pairing them up on purpose; trust it.
+    return any(
+        event is not site and fa.paths.divergence(event.guards, event.scope) is not None
+        for event in events
+    )
 
 
 def _collectives(fa: FileAnalysis) -> Iterator[tuple[Site, str]]:
     yield from fa.resolved_calls(DISTRIBUTED, COLLECTIVES)
     yield from fa.resolved_calls(*_DCP)
+
+
+def _paths(found: Divergence | None) -> str:
+    """The two paths: ` (a rank where `rank == 0` holds calls it; one where it does not, never)`."""
+    if found is None:
+        return ""
+    test = show(found.atom, 40)
+    if found.reach.get(ast.dump(found.atom), True):
+        return f" (a rank where `{test}` holds calls it; one where it does not, never)"
+    return f" (a rank where `{test}` does not hold calls it; one where it does, never)"
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
@@ -55,7 +102,7 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
         if _on_subgroup(call):
             continue
         why = fa.rank_only(site)
-        if why is None or _balanced(fa, site, member, why):
+        if why is None or (why.via is None and _balanced(fa, site, member, why)):
             continue
         name = f"`{show(call.func)}()`"
         if why.via is None:
@@ -70,12 +117,20 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             else:
                 how = f"only runs on some ranks (see line {why.line})"
             where = f"is in `{scope_label(why.via)}`, which {how}"
-        yield (
-            call,
-            f"{name} {where}; every rank must make the same collective calls or the job "
-            "hangs: move it out of the rank check and keep only the rank-0 work (printing, "
-            "saving) inside",
+        message = (
+            f"{name} {where}{_paths(why.divergence)}; every rank must make the same "
+            "collective calls or the job hangs: move it out of the rank check and keep only "
+            "the rank-0 work (printing, saving) inside"
         )
+        if why.proven:
+            yield call, message
+        else:
+            yield (
+                call,
+                message + " (a warning: nothing shows that the test depends on the rank "
+                "beyond its name)",
+                Severity.WARNING,
+            )
 
 
 RULE = Rule(
