@@ -60,6 +60,9 @@ class Entry:
     expected: tuple[Expected, ...]
     safe: tuple[Expected, ...]
     heldout: bool = False
+    # When a held-out set was judged (its repositories were judged by hand before the
+    # rule changes of that round).
+    judged: str | None = None
 
 
 def load_corpus(path: Path = CORPUS) -> list[Entry]:
@@ -85,6 +88,7 @@ def load_corpus(path: Path = CORPUS) -> list[Entry]:
                 items("expected"),
                 items("safe"),
                 bool(raw.get("heldout", False)),
+                raw.get("set"),
             )
         )
     mixed = {e.group for e in entries if e.heldout} & {e.group for e in entries if not e.heldout}
@@ -117,6 +121,7 @@ def fetch(entries: list[Entry], dest: Path, timeout: float = 30.0) -> int:
 class GroupScore:
     group: str
     heldout: bool = False
+    judged: str | None = None
     files: int = 0
     tp: int = 0
     fn: int = 0
@@ -140,6 +145,7 @@ def score_group(group: str, entries: list[Entry], root: Path, slack: int) -> Gro
     result = GroupScore(
         group,
         heldout=any(e.heldout for e in entries),
+        judged=max((e.judged for e in entries if e.judged), default=None),
         files=report.files_checked,
         seconds=time.perf_counter() - start,
     )
@@ -253,14 +259,26 @@ def run(
         f"precision {_fmt(precision)}, recall {_fmt(recall)} (tp {tp}, fp {fp}, fn {fn}), "
         f"false positives at error severity {fp_errors}, {rate:.0f} files/s"
     )
-    held = [s for s in scores if s.heldout]
+    splits: dict[str, Any] = {}
+    newest = max((s.judged for s in scores if s.judged), default=None)
+    if newest is not None:
+        splits["heldout_newest"] = {
+            "set": newest,
+            **summary([s for s in scores if s.judged == newest]),
+        }
+        print(
+            _summary_line(
+                f"held-out, judged {newest} before its rule changes", splits["heldout_newest"]
+            )
+        )
+    held = [s for s in scores if s.heldout and s.judged != newest]
     tuned = [s for s in scores if not s.heldout]
-    splits = {"tuned": summary(tuned), "heldout": summary(held)} if held and tuned else {}
-    if splits:
+    if held:
+        splits["heldout"] = summary(held)
+        print(_summary_line("held-out, earlier sets", splits["heldout"]))
+    if tuned and (held or newest):
+        splits["tuned"] = summary(tuned)
         print(_summary_line("tuned", splits["tuned"]))
-        print(_summary_line("held-out (*)", splits["heldout"]))
-    elif held:
-        print("(*) held-out: repositories the rules were not tuned on")
     if verbose:
         for s in scores:
             for f in s.false_positives:

@@ -96,7 +96,9 @@ class FileAnalysis:
 
     @cached_property
     def unit(self) -> Unit:
-        return Unit(self.index, self.ranks, self.paths, self.proven, self.links)
+        return Unit(
+            self.index, self.ranks, self.paths, self.proven, self.links, self.runs_as_script
+        )
 
     def is_proven(self, divergence: Divergence, scope: Scope) -> bool:
         """The rank test that tells the two ranks apart is a rank by data flow."""
@@ -131,6 +133,26 @@ class FileAnalysis:
     def program_mentions(self, name: str) -> bool:
         """True when `name` is read outside `except` in this file or a file analysed with it."""
         return any(name in peer.index.seen for peer in self.peers or [self])
+
+    def program_reaches(self, name: str) -> bool:
+        """True when code that can run (see `CallGraph.reachable`), in this file or a file
+        analysed with it, calls `name` or hands it on (`atexit.register(name)`), outside
+        `except` and not behind a rank test (a destroy in the else of `if rank == 0:`
+        leaves rank 0 without one)."""
+        for peer in self.peers or [self]:
+            if name not in peer.index.seen:
+                continue
+            for site in peer.index.calls:
+                call = site.call
+                named = tail(call.func) == name or any(tail(a) == name for a in call.args)
+                if (
+                    named
+                    and id(call) not in peer.index.calls_in_except
+                    and self.callgraph.reachable(site.scope)
+                    and peer.paths.divergence(site.guards, site.scope) is None
+                ):
+                    return True
+        return False
 
     # -- finding calls ----------------------------------------------------------------
 

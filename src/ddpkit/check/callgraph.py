@@ -49,6 +49,7 @@ class Unit:
     paths: PathModel
     proven: RankModel  # ranks by data flow only
     links: dict[str, Link] = field(default_factory=dict)
+    script: bool = False  # it has an `if __name__ == "__main__":` block
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,7 @@ class CallGraph:
                     self._incoming[target].append(edge)
         unit_of = {fn: unit for unit in self._units for fn in unit.index.functions}
         self._unit_of = unit_of
+        self._reached: set[Scope] | None = None
         self._collectives: dict[Scope, frozenset[str]] = {}
         for fn in unit_of:
             self._join_branches(fn, unit_of)
@@ -336,6 +338,36 @@ class CallGraph:
         """The functions a mention in `unit` surely stands for (none when it is a guess)."""
         targets, exact = self._targets(unit, ref)
         return targets if exact else []
+
+    def reachable(self, scope: Scope) -> bool:
+        """Code in `scope` can run: module level does, and so does what it calls (through
+        any mention). Methods, and functions of a module that is not a script, may also be
+        called from outside the checked files; a plain function of a script that nothing
+        mentions is dead code."""
+        if scope.is_module:
+            return True
+        if self._reached is None:
+            self._reached = self._reach()
+        return scope in self._reached
+
+    def _reach(self) -> set[Scope]:
+        outgoing: dict[Scope | None, list[Scope]] = {}
+        for fn, edges in self._incoming.items():
+            for edge in edges:
+                outgoing.setdefault(edge.owner, []).append(fn)
+        stack = list(outgoing.get(None, ()))
+        stack.extend(
+            fn
+            for fn, unit in self._unit_of.items()
+            if fn.is_method or not unit.script
+        )
+        reached: set[Scope] = set()
+        while stack:
+            fn = stack.pop()
+            if fn not in reached:
+                reached.add(fn)
+                stack.extend(outgoing.get(fn, ()))
+        return reached
 
     def collectives_of(self, fn: Scope, _depth: int = 0) -> frozenset[str]:
         """The `torch.distributed` collectives that calling `fn` makes, directly or

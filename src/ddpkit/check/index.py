@@ -115,6 +115,8 @@ class Index:
     # Names and attribute names read anywhere outside / inside `except` handlers.
     seen: set[str] = field(default_factory=set)
     seen_in_except: set[str] = field(default_factory=set)
+    # The calls (by id) made inside `except` handlers: they run on errors only.
+    calls_in_except: set[int] = field(default_factory=set)
 
 
 def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index:
@@ -475,6 +477,8 @@ class _Indexer:
 
     def _call(self, node: ast.Call) -> None:
         self.index.calls.append(self._site(node))
+        if self._seen is not self.index.seen:
+            self.index.calls_in_except.add(id(node))
         func = node.func
         if isinstance(func, ast.Name):
             self._name(func, node)

@@ -184,6 +184,23 @@ class PathModel:
         formula = ("or", [conjunction(atoms, guards) for guards in paths])
         return diverges(formula, atoms, lambda node: self._is_rank(node, scope)) is not None
 
+    def everyone_passes(
+        self, guards: tuple[Guard, ...], scope: Scope
+    ) -> list[tuple[ast.expr, bool]] | None:
+        """Guards that test the rank yet let every rank through for some setting of the
+        other tests (`if not args.flag or rank == 0:` with the flag unset): that setting,
+        as (test, value) pairs; None when the rank test always keeps some ranks out."""
+        atoms = Atoms()
+        formula = conjunction(atoms, guards)
+        rank_keys = [k for k, node in atoms.nodes.items() if self._is_rank(node, scope)]
+        shared_keys = [k for k in atoms.nodes if k not in rank_keys]
+        if not rank_keys or not shared_keys or len(atoms.nodes) > _MAX_ATOMS:
+            return None
+        for shared in _settings(shared_keys):
+            if all(_value(formula, {**shared, **r}) for r in _settings(rank_keys)):
+                return [(atoms.nodes[k], v) for k, v in shared.items()]
+        return None
+
     def holds(self, guards: tuple[Guard, ...], env: dict[str, bool]) -> bool | None:
         """Whether code behind `guards` runs on a rank whose tests take the values `env`;
         None when a test of `guards` is not in `env` (its value is not known)."""

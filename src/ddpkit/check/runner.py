@@ -266,7 +266,12 @@ def _collect(
                     d
                     for d in dirs
                     if not d.startswith(".")
-                    and d not in _SKIP_DIRS
+                    # `dist/` and `build/` are build outputs, unless they are a package
+                    # of the project (mmengine keeps its distributed code in `dist/`).
+                    and (
+                        d not in _SKIP_DIRS
+                        or os.path.exists(os.path.join(root, d, "__init__.py"))
+                    )
                     and not os.path.exists(os.path.join(root, d, "pyvenv.cfg"))
                 )
                 found.extend(Path(root, f) for f in sorted(files) if f.endswith(".py"))

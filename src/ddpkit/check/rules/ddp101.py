@@ -51,17 +51,23 @@ def _loader_of(fa: FileAnalysis, sampler: Site) -> ast.Call | None:
     return None
 
 
-def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
-    """Follow sampler -> loader -> `for` loops in the same function when they are in sight;
-    when the loader leaves the function (returned, stored on self), any loop over data
-    that runs across epochs counts."""
-    loader = _loader_of(fa, sampler)
-    name = _assigned_name(fa, loader, sampler.scope) if loader is not None else None
-    data_loops = [
+def _data_loops(fa: FileAnalysis) -> list[tuple[Site, ast.expr]]:
+    """The `for` loops of this file over something that may be a loader."""
+    return [
         (loop, iterated)
         for loop in fa.index.loops
         if (iterated := _iterated(cast(ast.For, loop.node).iter)) is not None
     ]
+
+
+def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
+    """Follow sampler -> loader -> `for` loops in the same function when they are in sight;
+    when the loader leaves the function (returned, stored on self), any loop over data
+    that runs across epochs counts: in this file, else in the files checked with it (a
+    helper module's `build_loader()` is iterated by the training script)."""
+    loader = _loader_of(fa, sampler)
+    name = _assigned_name(fa, loader, sampler.scope) if loader is not None else None
+    data_loops = _data_loops(fa)
     if name is not None:
         local = [
             loop
@@ -70,12 +76,19 @@ def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
         ]
         if local:
             return any(_across_epochs(fa, loop) for loop in local)
-    return any(_across_epochs(fa, loop) for loop, _ in data_loops)
+    if any(_across_epochs(fa, loop) for loop, _ in data_loops):
+        return True
+    return any(
+        _across_epochs(peer, loop)
+        for peer in fa.peers
+        if peer is not fa
+        for loop, _ in _data_loops(peer)
+    )
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     samplers = fa.calls("DistributedSampler")
-    if not samplers or fa.mentions("set_epoch"):
+    if not samplers or fa.program_reaches("set_epoch"):
         return
     for site in samplers:
         call = site.call

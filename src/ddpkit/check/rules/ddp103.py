@@ -6,6 +6,7 @@ import ast
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.callgraph import Context
 from ddpkit.check.index import Site
 from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
@@ -49,23 +50,80 @@ def per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
     )
 
 
+# Tests of "is this job distributed at all?": when they let every rank through,
+# there is one process, so `if not args.distributed or rank == 0:` is a rank-0 guard.
+_DISTRIBUTED_TESTS = frozenset(
+    {
+        "distributed",
+        "is_distributed",
+        "use_distributed",
+        "ddp",
+        "use_ddp",
+        "is_ddp",
+        "world_size",
+        "is_initialized",
+        "is_dist_avail_and_initialized",
+        "n_gpu",
+        "num_gpus",
+    }
+)
+
+
+def _tests_distributed(expr: ast.expr) -> bool:
+    return any(
+        isinstance(node, (ast.Name, ast.Attribute)) and tail(node) in _DISTRIBUTED_TESTS
+        for node in ast.walk(expr)
+    )
+
+
+def _condition(setting: list[tuple[ast.expr, bool]]) -> str:
+    return " and ".join(f"`{show(t, 50)}`" if v else f"`not ({show(t, 50)})`" for t, v in setting)
+
+
+def _writes_everywhere(fa: FileAnalysis, site: Site) -> str | None:
+    """Why a write under a rank guard still runs on every rank, or None."""
+    if fa.callgraph.context(site.scope) is not Context.ALL:
+        return None
+    setting = fa.paths.everyone_passes(site.guards, site.scope)
+    if setting is None or any(_tests_distributed(test) for test, _ in setting):
+        return None
+    return _condition(setting)
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     if not fa.process_group_inits:
         return
     for site, target in checkpoint_writes(fa):
-        if target is None or not fa.runs_on_every_rank(site) or fa.in_launcher(site):
+        if target is None or fa.in_launcher(site):
             continue
+        condition = None
+        if not fa.runs_on_every_rank(site):
+            condition = _writes_everywhere(fa, site)
+            if condition is None:
+                continue
         if per_rank_path(fa, target, site):
             continue  # one file per rank (f"ckpt_rank{rank}.pt") is fine
         if _in_memory(target, site, fa):
             continue
         call = site.call
-        yield (
-            call,
-            f"`{show(call.func)}` runs on every rank, so all processes write "
-            f"`{show(target, 40)}` at once (a torn or clobbered file); write it from rank 0 "
-            "only: `if rank == 0:` (then `dist.barrier()` on every rank if others read it)",
+        fix = (
+            "write it from rank 0 only: `if rank == 0:` (then `dist.barrier()` on every rank "
+            "if others read it)"
         )
+        if condition is None:
+            yield (
+                call,
+                f"`{show(call.func)}` runs on every rank, so all processes write "
+                f"`{show(target, 40)}` at once (a torn or clobbered file); {fix}",
+            )
+        else:
+            yield (
+                call,
+                f"`{show(call.func)}` runs on every rank when {condition} holds (for example "
+                f"a torchrun start without that option), so all processes write "
+                f"`{show(target, 40)}` at once; {fix}",
+                Severity.WARNING,
+            )
 
 
 RULE = Rule(

@@ -24,10 +24,11 @@ def _setup_for_a_script(fa: FileAnalysis, site: Site) -> bool:
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    # Only a mention outside `except` counts: a cleanup that runs on errors alone
-    # leaves the normal exit path without one. `finally` and atexit.register count.
-    # Checked with a folder, a destroy in any file linked to this one by imports counts.
-    if fa.program_mentions("destroy_process_group"):
+    # Only a call outside `except`, in code that can run, counts: a cleanup that runs on
+    # errors alone, or a `cleanup()` helper that nothing calls, leaves the normal exit
+    # path without one. `finally` and atexit.register count. Checked with a folder, a
+    # destroy in any file linked to this one by imports counts.
+    if fa.program_reaches("destroy_process_group"):
         return
     # A helper that only sets the group up (its callers, elsewhere, may well tear it
     # down) is not reported alone: only an init known to run on every rank, through
