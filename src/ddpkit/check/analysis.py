@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from ddpkit.check.callgraph import DISTRIBUTED, CallGraph, Context, Unit
+from ddpkit.check.callgraph import CallGraph, Context, Unit
 from ddpkit.check.index import Guard, Index, Ref, Scope, Site, build_index
 from ddpkit.check.linking import Link
 from ddpkit.check.names import tail

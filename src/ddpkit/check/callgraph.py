@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ddpkit.check.index import ClassInfo, Guard, Index, Ref, Scope
-from ddpkit.collectives import COLLECTIVES
+from ddpkit.check.index import ClassInfo, Guard, Index, Ref, Scope, Site
 from ddpkit.check.linking import Link
-from ddpkit.check.names import dotted
+from ddpkit.check.names import Imports, dotted
 from ddpkit.check.paths import Divergence, PathModel
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS, RankModel
+from ddpkit.collectives import COLLECTIVES
 
 
 class Context(Enum):
@@ -66,6 +66,43 @@ class Edge:
 
 _Class = tuple[Unit, ClassInfo]
 DISTRIBUTED = "torch.distributed"
+# mpi4py's collectives, which some codebases (guided-diffusion and its descendants) use
+# beside torch's: `MPI.COMM_WORLD.bcast(x)` waits for every rank just the same.
+_MPI_WORLD = "mpi4py.MPI.COMM_WORLD"
+MPI_COLLECTIVES = frozenset(
+    {
+        *("bcast", "Bcast", "allreduce", "Allreduce", "reduce", "Reduce"),
+        *("gather", "Gather", "allgather", "Allgather", "scatter", "Scatter"),
+        *("barrier", "Barrier", "alltoall", "Alltoall"),
+    }
+)
+
+
+def _tests_parameters(paths: list[tuple[Guard, ...]], params: set[str]) -> bool:
+    """A guard on one of the paths reads a parameter: what runs depends on the call."""
+    return any(
+        isinstance(node, ast.Name) and node.id in params
+        for guards in paths
+        for guard in guards
+        for node in ast.walk(guard.test)
+    )
+
+
+def collective(imports: Imports, call: ast.Call) -> str | None:
+    """The collective that `call` makes (`all_reduce`, or MPI's `bcast`), else None."""
+    member = imports.resolves_to(call.func, DISTRIBUTED, COLLECTIVES)
+    if member is not None:
+        return member
+    func = call.func
+    if (
+        isinstance(func, ast.Attribute)
+        and func.attr in MPI_COLLECTIVES
+        and imports.resolve(func.value) == _MPI_WORLD
+    ):
+        return func.attr
+    return None
+
+
 _MAX_HOPS = 4  # re-exports followed through `__init__.py` files
 
 
@@ -112,6 +149,7 @@ class CallGraph:
         self._unit_of = unit_of
         self._reached: set[Scope] | None = None
         self._collectives: dict[Scope, frozenset[str]] = {}
+        self._sites: dict[int, dict[Scope, list[Site]]] = {}
         for fn in unit_of:
             self._join_branches(fn, unit_of)
         self._context: dict[Scope, Context] = {}
@@ -221,6 +259,11 @@ class CallGraph:
             found = self._linked(unit, name)
             if found is not None and found[1] is not None:
                 return self._members(found[0], found[1]), True
+            if found is not None and ref.call_expr is not None:
+                # `from yolox.core import launch` found the submodule `launch.py` (the
+                # package's `__init__.py`, which re-exports its function, is not checked);
+                # called, the name is that module's function of the same name.
+                return self._members(found[0], name), True
             return [], True
         module = self._module_of(unit, receiver)
         if module is not None:
@@ -340,10 +383,11 @@ class CallGraph:
         return targets if exact else []
 
     def reachable(self, scope: Scope) -> bool:
-        """Code in `scope` can run: module level does, and so does what it calls (through
-        any mention). Methods, and functions of a module that is not a script, may also be
-        called from outside the checked files; a plain function of a script that nothing
-        mentions is dead code."""
+        """Code in `scope` can run. Module level does, and so does what it mentions, and
+        so on. Methods may be called by a framework (hooks, `forward`), so they count as
+        starting points; so do all functions when no checked file is a script (a library:
+        its callers are elsewhere). In a program with a script, a function that no
+        running code mentions (`cleanup()` that nothing calls) is dead code."""
         if scope.is_module:
             return True
         if self._reached is None:
@@ -355,12 +399,9 @@ class CallGraph:
         for fn, edges in self._incoming.items():
             for edge in edges:
                 outgoing.setdefault(edge.owner, []).append(fn)
+        library = not any(unit.script for unit in self._units)
         stack = list(outgoing.get(None, ()))
-        stack.extend(
-            fn
-            for fn, unit in self._unit_of.items()
-            if fn.is_method or not unit.script
-        )
+        stack.extend(fn for fn in self._unit_of if library or fn.is_method)
         reached: set[Scope] = set()
         while stack:
             fn = stack.pop()
@@ -370,8 +411,14 @@ class CallGraph:
         return reached
 
     def collectives_of(self, fn: Scope, _depth: int = 0) -> frozenset[str]:
-        """The `torch.distributed` collectives that calling `fn` makes, directly or
-        through the functions it surely calls (a few levels deep)."""
+        """The collectives that any call of `fn` surely makes, directly or through the
+        functions it surely calls (a few levels deep).
+
+        Surely: on every rank and whatever the arguments. A collective made in both
+        branches of a rank test counts (`if rank == 0: bcast(x) else: x = bcast(None)`);
+        one behind a rank test alone, or a test of a parameter (`if synchronize:`,
+        `if local_rank not in [-1, 0]:` given `rank=-1`), does not.
+        """
         memo = self._collectives.get(fn)
         if memo is not None:
             return memo
@@ -379,19 +426,35 @@ class CallGraph:
         if unit is None or _depth > _MAX_HOPS:
             return frozenset()
         self._collectives[fn] = frozenset()  # a recursive call adds nothing new
-        imports = unit.index.imports
-        made = {
+        paths: dict[str, list[tuple[Guard, ...]]] = {}
+        for site in self._sites_in(unit, fn):
+            if type(site) is Ref:
+                assert isinstance(site, Ref)
+                for callee in self.callees(unit, site):
+                    for member in self.collectives_of(callee, _depth + 1):
+                        paths.setdefault(member, []).append(site.guards)
+            elif (member := collective(unit.index.imports, site.call)) is not None:
+                paths.setdefault(member, []).append(site.guards)
+        params = set(fn.params)
+        made = frozenset(
             member
-            for site in unit.index.calls
-            if site.scope is fn
-            and (member := imports.resolves_to(site.call.func, DISTRIBUTED, COLLECTIVES))
-        }
-        for ref in unit.index.refs:
-            if ref.scope is fn and ref.call_expr is not None:
-                for callee in self.callees(unit, ref):
-                    made |= self.collectives_of(callee, _depth + 1)
-        self._collectives[fn] = frozenset(made)
-        return self._collectives[fn]
+            for member, guards in paths.items()
+            if not _tests_parameters(guards, params) and not unit.paths.any_diverges(guards, fn)
+        )
+        self._collectives[fn] = made
+        return made
+
+    def _sites_in(self, unit: Unit, fn: Scope) -> list[Site]:
+        """The calls in `fn` (plain calls, and mentions of the program's functions)."""
+        if id(unit) not in self._sites:
+            by_scope: dict[Scope, list[Site]] = {}
+            for site in unit.index.calls:
+                by_scope.setdefault(site.scope, []).append(site)
+            for ref in unit.index.refs:
+                if ref.call_expr is not None:
+                    by_scope.setdefault(ref.scope, []).append(ref)
+            self._sites[id(unit)] = by_scope
+        return self._sites[id(unit)].get(fn, [])
 
     def called_in_loops(self) -> set[Scope]:
         """Functions that run inside a loop of their callers (directly or through calls)."""

@@ -1,4 +1,4 @@
-"""Which ranks reach a piece of code: its guards as one condition, and a pair of ranks it tells apart.
+"""Which ranks reach a piece of code: its guards as one condition, and two ranks it parts.
 
 A rank test in a guard does not by itself mean that only some ranks get through.
 In
@@ -29,6 +29,7 @@ import ast
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ddpkit.check.index import AFTER, BODY, OPERAND, ORELSE, Guard, Scope, exits
 
@@ -37,7 +38,7 @@ from ddpkit.check.index import AFTER, BODY, OPERAND, ORELSE, Guard, Scope, exits
 _MAX_ATOMS = 10
 
 # A formula: True/False, ("atom", key), ("not", f), ("and", fs) or ("or", fs).
-Formula = object
+Formula = bool | tuple[str, Any]
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,7 @@ class Atoms:
         if isinstance(expr, ast.Compare) and len(expr.ops) == 1:
             op = expr.ops[0]
             # `a != b` is `not (a == b)`, so both spellings meet as one atom.
-            flipped = {ast.NotEq: ast.Eq(), ast.IsNot: ast.Is(), ast.NotIn: ast.In()}.get(
-                type(op)
-            )
+            flipped = {ast.NotEq: ast.Eq(), ast.IsNot: ast.Is(), ast.NotIn: ast.In()}.get(type(op))
             if flipped is not None:
                 same = ast.Compare(expr.left, [flipped], expr.comparators)
                 ast.copy_location(same, expr)
@@ -105,9 +104,9 @@ class Atoms:
 
 
 def _value(formula: Formula, env: dict[str, bool]) -> bool:
-    if formula is True or formula is False:
-        return formula  # type: ignore[return-value]
-    kind, arg = formula  # type: ignore[misc]
+    if isinstance(formula, bool):
+        return formula
+    kind, arg = formula
     if kind == "atom":
         return env[arg]
     if kind == "not":

@@ -59,6 +59,7 @@ RANK_SOURCES = frozenset(
         "torch.distributed.get_rank",
         "torch.distributed.get_node_local_rank",
         "torch.distributed.get_group_rank",
+        "mpi4py.MPI.COMM_WORLD.Get_rank",
     }
 )
 # Attributes that libraries document as the process's rank (ddpkit's ctx, Accelerate's
@@ -172,6 +173,14 @@ def _holds_alike_for_every_rank(expr: ast.Compare) -> bool:
     return False
 
 
+def _from_line(names: dict[str, int], name: str, line: int) -> bool:
+    """Note that `name` holds a rank from `line` on; True when that is news."""
+    if names.get(name, line + 1) <= line:
+        return False
+    names[name] = line
+    return True
+
+
 def _add(names: set[str], name: str) -> bool:
     """Add `name` to `names`; True when it was not there yet."""
     news = name not in names
@@ -210,8 +219,10 @@ class RankModel:
     ) -> None:
         self._index = index
         self._by_name = by_name
-        self._value_names: dict[Scope, set[str]] = {}
-        self._predicate_names: dict[Scope, set[str]] = {}
+        # Per scope, the variables that hold a rank (or a rank test), with the first line
+        # from which they do: `seed < 0` above `seed = base + get_rank()` is no rank test.
+        self._value_names: dict[Scope, dict[str, int]] = {}
+        self._predicate_names: dict[Scope, dict[str, int]] = {}
         facts = facts if facts is not None else RankFacts()
         self._value_attrs = facts.value_attrs
         self._predicate_attrs = facts.predicate_attrs
@@ -247,7 +258,7 @@ class RankModel:
         """Mark `target` as a rank value (or predicate); True when that is news."""
         if isinstance(target, ast.Name):
             table = self._predicate_names if predicate else self._value_names
-            return _add(table.setdefault(scope, set()), target.id)
+            return _from_line(table.setdefault(scope, {}), target.id, target.lineno)
         if isinstance(target, ast.Attribute):
             return _add(self._predicate_attrs if predicate else self._value_attrs, target.attr)
         return False
@@ -290,7 +301,9 @@ class RankModel:
                     if k.arg == "device_ids" and isinstance(k.value, (ast.List, ast.Tuple)):
                         given = list(k.value.elts[:1])
             for value in given:
-                if isinstance(value, (ast.Name, ast.Attribute)):
+                if isinstance(value, ast.Name):  # the same value all along its function
+                    _from_line(self._value_names.setdefault(site.scope, {}), value.id, 0)
+                elif isinstance(value, ast.Attribute):
                     self._taint(value, site.scope, predicate=False)
 
     def _follow_parameters(self) -> None:
@@ -334,7 +347,9 @@ class RankModel:
             self._follow_assignments(a for a in index.assignments if a.scope.is_method)
 
     def _taint_param(self, fn: Scope, param: str) -> bool:
-        return not self._rank_name(param) and _add(self._value_names.setdefault(fn, set()), param)
+        return not self._rank_name(param) and _from_line(
+            self._value_names.setdefault(fn, {}), param, 0
+        )
 
     def _follow_returns(self) -> None:
         """`def is_main(): return dist.get_rank() == 0` makes `is_main()` a predicate."""
@@ -352,20 +367,23 @@ class RankModel:
             if not changed:
                 break
 
-    def _has_name(self, table: dict[Scope, set[str]], name: str, scope: Scope) -> bool:
-        # Flow-insensitive: a name tainted in this scope or at module level.
+    def _has_name(
+        self, table: dict[Scope, dict[str, int]], expr: ast.Name, scope: Scope
+    ) -> bool:
+        """A variable tainted in this scope at or above this line, or at module level
+        (module code has run before any function is called)."""
         local = table.get(scope)
-        if local is not None and name in local:
+        if local is not None and local.get(expr.id, expr.lineno + 1) <= expr.lineno:
             return True
         module = table.get(self._index.module)
-        return module is not None and name in module
+        return module is not None and not scope.is_module and expr.id in module
 
     # -- queries --------------------------------------------------------------------
 
     def is_rank_value(self, expr: ast.expr, scope: Scope) -> bool:
         """True when `expr` evaluates to this process's rank (or a number made from it)."""
         if isinstance(expr, ast.Name):
-            return self._rank_name(expr.id) or self._has_name(self._value_names, expr.id, scope)
+            return self._rank_name(expr.id) or self._has_name(self._value_names, expr, scope)
         if isinstance(expr, ast.Attribute):
             return self._rank_name(expr.attr) or expr.attr in self._value_attrs
         if isinstance(expr, ast.Call):
@@ -392,7 +410,7 @@ class RankModel:
         """True when `expr` is a boolean that says "this is the main process"."""
         if isinstance(expr, ast.Name):
             return self._predicate_name(expr.id) or self._has_name(
-                self._predicate_names, expr.id, scope
+                self._predicate_names, expr, scope
             )
         if isinstance(expr, ast.Attribute):
             return self._predicate_name(expr.attr) or expr.attr in self._predicate_attrs

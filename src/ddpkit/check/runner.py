@@ -27,6 +27,17 @@ _SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "venv", 
 MAX_FILE_BYTES = 5 * 2**20
 
 
+def _is_source_folder(folder: str) -> bool:
+    """`dist/` and `build/` are build outputs (wheels; `build/lib/...`), unless they hold
+    Python files themselves: mmengine keeps its distributed code in `mmengine/dist/`."""
+    if os.path.basename(folder) not in ("dist", "build"):
+        return False
+    try:
+        return any(name.endswith(".py") for name in os.listdir(folder))
+    except OSError:
+        return False
+
+
 class SelectionError(ValueError):
     """A --select/--ignore entry that matches no rule code."""
 
@@ -266,12 +277,7 @@ def _collect(
                     d
                     for d in dirs
                     if not d.startswith(".")
-                    # `dist/` and `build/` are build outputs, unless they are a package
-                    # of the project (mmengine keeps its distributed code in `dist/`).
-                    and (
-                        d not in _SKIP_DIRS
-                        or os.path.exists(os.path.join(root, d, "__init__.py"))
-                    )
+                    and (d not in _SKIP_DIRS or _is_source_folder(os.path.join(root, d)))
                     and not os.path.exists(os.path.join(root, d, "pyvenv.cfg"))
                 )
                 found.extend(Path(root, f) for f in sorted(files) if f.endswith(".py"))

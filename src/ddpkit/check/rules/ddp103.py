@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.callgraph import Context
-from ddpkit.check.index import Site
+from ddpkit.check.index import Scope, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
 from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
@@ -90,6 +90,38 @@ def _writes_everywhere(fa: FileAnalysis, site: Site) -> str | None:
     return _condition(setting)
 
 
+def _item_names(fa: FileAnalysis, scope: Scope) -> set[str]:
+    """Names that a `for` loop of `scope` binds to the items of data (not a `range`)."""
+    names: set[str] = set()
+    for loop in fa.index.loops:
+        node = loop.node
+        if loop.scope is not scope or not isinstance(node, (ast.For, ast.AsyncFor)):
+            continue
+        iterable = node.iter
+        while isinstance(iterable, ast.Call) and tail(iterable.func) in ("enumerate", "tqdm"):
+            iterable = iterable.args[0] if iterable.args else iterable
+            if not isinstance(iterable, ast.Call):
+                break
+        if isinstance(iterable, ast.Call) and tail(iterable.func) == "range":
+            continue  # `for epoch in range(n)`: the same numbers on every rank
+        names.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
+    return names
+
+
+def per_item_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
+    """`torch.save(sample, os.path.join(out, name))` in `for name in files:`: one output
+    file per data item (a preprocessing script), not one checkpoint written by all."""
+    items = _item_names(fa, site.scope)
+    if not items:
+        return False
+    values = [target]
+    if isinstance(target, ast.Name):
+        values += [a.value for a in assignments_to(fa, target.id, site.scope, module=False)]
+    return any(
+        isinstance(n, ast.Name) and n.id in items for value in values for n in ast.walk(value)
+    )
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     if not fa.process_group_inits:
         return
@@ -101,8 +133,8 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             condition = _writes_everywhere(fa, site)
             if condition is None:
                 continue
-        if per_rank_path(fa, target, site):
-            continue  # one file per rank (f"ckpt_rank{rank}.pt") is fine
+        if per_rank_path(fa, target, site) or per_item_path(fa, target, site):
+            continue  # one file per rank (f"ckpt_rank{rank}.pt") or per data item is fine
         if _in_memory(target, site, fa):
             continue
         call = site.call

@@ -9,11 +9,11 @@ sight) gives a warning.
 from __future__ import annotations
 
 import ast
-from collections import Counter
 from collections.abc import Iterator
 
-from ddpkit.check.analysis import DISTRIBUTED, FileAnalysis, RankOnly
-from ddpkit.check.index import Site
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.callgraph import MPI_COLLECTIVES, collective
+from ddpkit.check.index import Ref, Site
 from ddpkit.check.model import Severity
 from ddpkit.check.paths import Divergence
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS
@@ -27,9 +27,13 @@ _DCP = (
 )
 
 
+_COLLECTIVE_NAMES = COLLECTIVES | MPI_COLLECTIVES
+
+
 def _on_subgroup(call: ast.Call) -> bool:
-    """`group=g`: only the members call it, which may well be rank-dependent on purpose."""
-    group = argument(call, None, "group")
+    """`group=g` (`process_group=g` for DCP): only the members call it, which may well be
+    rank-dependent on purpose; without the group's members in sight, nothing is said."""
+    group = argument(call, None, "group") or argument(call, None, "process_group")
     if group is None or (isinstance(group, ast.Constant) and group.value is None):
         return False
     return not (isinstance(group, ast.Attribute) and group.attr == "WORLD")
@@ -44,10 +48,17 @@ def _events(fa: FileAnalysis, site: Site, member: str) -> list[Site]:
         if other.scope is site.scope and other_member == member
     ]
     for ref in fa.index.refs:
-        if ref.scope is site.scope and ref.call_expr is not None:
-            if any(member in fa.callgraph.collectives_of(fn) for fn in fa.callees(ref)):
-                found.append(ref)
+        if ref.scope is site.scope and ref.call_expr is not None and member in _made_by(fa, ref):
+            found.append(ref)
     return found
+
+
+def _made_by(fa: FileAnalysis, ref: Ref) -> frozenset[str]:
+    """The collectives that the functions a call surely stands for make."""
+    made: frozenset[str] = frozenset()
+    for fn in fa.callees(ref):
+        made |= fa.callgraph.collectives_of(fn)
+    return made
 
 
 def _counts(fa: FileAnalysis, events: list[Site], env: dict[str, bool]) -> int | None:
@@ -61,12 +72,11 @@ def _counts(fa: FileAnalysis, events: list[Site], env: dict[str, bool]) -> int |
     return total
 
 
-def _balanced(fa: FileAnalysis, site: Site, member: str, why: RankOnly) -> bool:
+def _balanced(fa: FileAnalysis, site: Site, member: str, found: Divergence) -> bool:
     """The rank that skips the site makes `member` in this function at least as often
     as the rank that reaches it: `if rank == src: send() else: recv()` pairs, the same
     call in both branches (where one side makes more calls, the surplus is reported)."""
-    found = why.divergence
-    if found is None or not found.reach:
+    if not found.reach:
         return False
     events = _events(fa, site, member)
     reach, skip = _counts(fa, events, found.reach), _counts(fa, events, found.skip)
@@ -81,9 +91,15 @@ def _balanced(fa: FileAnalysis, site: Site, member: str, why: RankOnly) -> bool:
     )
 
 
-def _collectives(fa: FileAnalysis) -> Iterator[tuple[Site, str]]:
-    yield from fa.resolved_calls(DISTRIBUTED, COLLECTIVES)
-    yield from fa.resolved_calls(*_DCP)
+def _collectives(fa: FileAnalysis) -> list[tuple[Site, str]]:
+    """The calls of this file that make a collective, with its name."""
+    found = [
+        (site, member)
+        for name in _COLLECTIVE_NAMES
+        for site in fa.calls(name)
+        if (member := collective(fa.imports, site.call)) is not None
+    ]
+    return found + fa.resolved_calls(*_DCP)
 
 
 def _paths(found: Divergence | None) -> str:
@@ -96,41 +112,72 @@ def _paths(found: Divergence | None) -> str:
     return f" (a rank where `{test}` does not hold calls it; one where it does, never)"
 
 
-def check(fa: FileAnalysis) -> Iterator[Hit]:
+_FIX = (
+    "every rank must make the same collective calls or the job hangs: move it out of the "
+    "rank check and keep only the rank-0 work (printing, saving) inside"
+)
+_BY_NAME = " (a warning: nothing shows that the test depends on the rank beyond its name)"
+
+
+def _hit(node: ast.AST, message: str, proven: bool) -> Hit:
+    return (node, message) if proven else (node, message + _BY_NAME, Severity.WARNING)
+
+
+def _guarded_collectives(fa: FileAnalysis) -> Iterator[Hit]:
+    """A collective under a rank test in its own function, or in a function that only a
+    `@rank_zero_only`-style decorator keeps from the other ranks."""
     for site, member in _collectives(fa):
         call = site.call
         if _on_subgroup(call):
             continue
         why = fa.rank_only(site)
-        if why is None or (why.via is None and _balanced(fa, site, member, why)):
+        if why is None:
             continue
         name = f"`{show(call.func)}()`"
         if why.via is None:
-            assert why.guard is not None
+            assert why.guard is not None and why.divergence is not None
+            if _balanced(fa, site, member, why.divergence):
+                continue
             where = f"runs only on the ranks that pass {describe_guard(why.guard)}"
-        else:
+        elif why.divergence is None:
             decorators = sorted(RANK_ZERO_DECORATORS.intersection(why.via.decorators))
-            if why.guard is not None:
-                how = f"is only called under {describe_guard(why.guard)}"
-            elif decorators:
-                how = f"`@{decorators[0]}` runs on rank 0 only"
-            else:
-                how = f"only runs on some ranks (see line {why.line})"
-            where = f"is in `{scope_label(why.via)}`, which {how}"
-        message = (
-            f"{name} {where}{_paths(why.divergence)}; every rank must make the same "
-            "collective calls or the job hangs: move it out of the rank check and keep only "
-            "the rank-0 work (printing, saving) inside"
-        )
-        if why.proven:
-            yield call, message
-        else:
-            yield (
-                call,
-                message + " (a warning: nothing shows that the test depends on the rank "
-                "beyond its name)",
-                Severity.WARNING,
+            how = (
+                f"`@{decorators[0]}` runs on rank 0 only"
+                if decorators
+                else f"only runs on some ranks (see line {why.line})"
             )
+            where = f"is in `{scope_label(why.via)}`, which {how}"
+        else:
+            continue  # reported at the call under the rank test (`_guarded_calls`)
+        yield _hit(call, f"{name} {where}{_paths(why.divergence)}; {_FIX}", why.proven)
+
+
+def _guarded_calls(fa: FileAnalysis) -> Iterator[Hit]:
+    """A call under a rank test of a function of the program that makes a collective
+    (`if rank == 0: save_checkpoint()` with a barrier inside): reported at the call, where
+    the fix goes."""
+    for ref in fa.index.refs:
+        if ref.call_expr is None or _on_subgroup(ref.call_expr):
+            continue
+        found = fa.paths.divergence(ref.guards, ref.scope)
+        if found is None:
+            continue
+        made = _made_by(fa, ref)
+        unbalanced = sorted(m for m in made if not _balanced(fa, ref, m, found))
+        if not unbalanced:
+            continue
+        callee = next(fn for fn in fa.callees(ref) if fa.callgraph.collectives_of(fn))
+        message = (
+            f"`{show(ref.call_expr.func)}()` makes the collective `{unbalanced[0]}` (in "
+            f"`{scope_label(callee)}`) but runs only on the ranks that pass "
+            f"{describe_guard(found.guard)}{_paths(found)}; {_FIX}"
+        )
+        yield _hit(ref.call_expr, message, fa.is_proven(found, ref.scope))
+
+
+def check(fa: FileAnalysis) -> Iterator[Hit]:
+    yield from _guarded_collectives(fa)
+    yield from _guarded_calls(fa)
 
 
 RULE = Rule(

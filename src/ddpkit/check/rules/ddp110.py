@@ -123,10 +123,28 @@ def _master_port_values(fa: FileAnalysis) -> Iterator[tuple[ast.expr, Scope]]:
                     yield value, site.scope
 
 
+def _fallback(value: ast.expr) -> ast.expr | None:
+    """The default of `os.environ.get("MASTER_PORT", "29500")` / `os.getenv(...)`."""
+    if (
+        isinstance(value, ast.Call)
+        and tail(value.func) in ("get", "getenv")
+        and len(value.args) == 2
+        and _is_port_key(value.args[0])
+    ):
+        return value.args[1]
+    return None
+
+
 def _environ_ports(fa: FileAnalysis) -> Iterator[Hit]:
     for value, scope in _master_port_values(fa):
+        fallback = _fallback(value)
         if _constant_port(value):
             yield value, f"MASTER_PORT is hard-coded to {show(value)}: {_FIX}"
+        elif fallback is not None and _constant_port(fallback):
+            yield (
+                value,
+                f"MASTER_PORT falls back to {show(fallback)} when the environment has none: {_FIX}",
+            )
         elif not scope.is_module and (why := _defaulted_port(fa, value, scope)) is not None:
             yield value, why
 
@@ -205,10 +223,10 @@ def _url_ports(fa: FileAnalysis) -> Iterator[Hit]:
         if _has_port(url):
             yield url, f"the init_method URL {show(url)} has a fixed port: {_FIX}"
         elif isinstance(url, (ast.Name, ast.Attribute)):
-            for node, message in _stored_urls(fa, url, site):
-                if id(node) not in reported:
-                    reported.add(id(node))
-                    yield node, message
+            for hit in _stored_urls(fa, url, site):
+                if id(hit[0]) not in reported:
+                    reported.add(id(hit[0]))
+                    yield hit
     for site in fa.calls("TCPStore"):
         call = site.call
         port = argument(call, 1, "port")

@@ -23,28 +23,44 @@ def _setup_for_a_script(fa: FileAnalysis, site: Site) -> bool:
     return not fa.callgraph.is_mentioned(scope) and fa.imported_by_a_script()
 
 
+def _runs(fa: FileAnalysis, site: Site) -> bool:
+    """The init can run, on every rank that gets to its function.
+
+    A helper file checked alone (no script, no other checked file) is the exception:
+    its callers are elsewhere and may well tear the group down, so its init counts only
+    when the file itself runs it."""
+    if id(site.call) in fa.index.calls_in_except:
+        return False
+    if len(fa.peers) < 2 and not fa.runs_as_script:
+        return fa.runs_on_every_rank(site)
+    return (
+        fa.callgraph.reachable(site.scope) and fa.paths.divergence(site.guards, site.scope) is None
+    )
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    # Only a call outside `except`, in code that can run, counts: a cleanup that runs on
-    # errors alone, or a `cleanup()` helper that nothing calls, leaves the normal exit
-    # path without one. `finally` and atexit.register count. Checked with a folder, a
-    # destroy in any file linked to this one by imports counts.
+    # Only a call outside `except`, in code that can run and on every rank, counts: a
+    # cleanup that runs on errors alone, a `cleanup()` helper that nothing calls or a
+    # destroy in the else of `if rank == 0:` leaves the normal exit path without one.
+    # `finally` and atexit.register count. Checked with a folder, a destroy in any file
+    # linked to this one by imports counts.
     if fa.program_reaches("destroy_process_group"):
         return
-    # A helper that only sets the group up (its callers, elsewhere, may well tear it
-    # down) is not reported alone: only an init known to run on every rank, through
-    # the calls of this file or of the checked files that import it, or the set-up
-    # function of a module that a checked training script imports (`_setup_for_a_script`).
-    inits = [site for site in fa.process_group_inits if fa.runs_on_every_rank(site)]
-    if not inits:
-        inits = [site for site in fa.process_group_inits if _setup_for_a_script(fa, site)]
-    if not inits:
-        return
-    yield (
-        inits[0].node,
-        "`init_process_group` without `destroy_process_group()` on the normal exit path: "
-        "the job may hang or warn at exit and leaks the group's resources; call "
-        "`dist.destroy_process_group()` in a `finally:` block",
-    )
+    # An init that can run (see `CallGraph.reachable`: in a library, every function
+    # can), or the set-up function of a module that a training script imports.
+    reported: set[int] = set()
+    for site in fa.process_group_inits:
+        if id(site.scope) in reported:
+            continue  # one finding per function: its inits are branches of one set-up
+        if _runs(fa, site) or _setup_for_a_script(fa, site):
+            reported.add(id(site.scope))
+            yield (
+                site.node,
+                "`init_process_group` without `destroy_process_group()` on the normal exit "
+                "path of the checked files: the job may hang or warn at exit and leaks the "
+                "group's resources; call `dist.destroy_process_group()` in a `finally:` block "
+                "(check the caller's files too if they tear it down)",
+            )
 
 
 RULE = Rule(
