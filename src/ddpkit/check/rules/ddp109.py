@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
 from ddpkit.check.model import Severity
-from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to
+from ddpkit.check.names import dotted, tail
+from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
 
 # Any of these picks a device per process.
 _DEVICE_SETTERS = ("set_device", "set_device_index", "set_default_device")
@@ -64,9 +65,54 @@ def _chooses_device(fa: FileAnalysis, site: Site) -> bool:
     return any(_file_chooses_device(peer) for peer in fa.peers or [fa])
 
 
+_GLOBAL_RANK_ENV = frozenset({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
+
+
+def _is_global_rank(fa: FileAnalysis, expr: ast.expr, scope: Scope, depth: int = 0) -> bool:
+    """`int(os.environ["RANK"])`, `dist.get_rank()`, or a variable assigned one: the rank
+    across all nodes, which is no device index on a second node (no `% gpus` taken)."""
+    while isinstance(expr, ast.Call) and tail(expr.func) in ("int", "str") and expr.args:
+        expr = expr.args[0]
+    if isinstance(expr, ast.Subscript) and (dotted(expr.value) or "").endswith("environ"):
+        return isinstance(expr.slice, ast.Constant) and expr.slice.value in _GLOBAL_RANK_ENV
+    if isinstance(expr, ast.Call):
+        if tail(expr.func) in ("get", "getenv") and expr.args:
+            key = expr.args[0]
+            return isinstance(key, ast.Constant) and key.value in _GLOBAL_RANK_ENV
+        return fa.imports.resolve(expr.func) == "torch.distributed.get_rank" and not expr.args
+    if isinstance(expr, ast.Name) and depth < 3:
+        values = [a.value for a in assignments_to(fa, expr.id, scope, module=False)]
+        return bool(values) and all(_is_global_rank(fa, v, scope, depth + 1) for v in values)
+    return False
+
+
+def _global_rank_devices(fa: FileAnalysis, site: Site) -> ast.Call | None:
+    """A `set_device(rank)` with the global rank, on the init's path, before it."""
+    for setter in fa.calls("set_device"):
+        call = setter.call
+        if (
+            setter.scope is site.scope
+            and setter.line < site.line
+            and all(any(g is h for h in site.guards) for g in setter.guards)
+            and call.args
+            and _is_global_rank(fa, call.args[0], site.scope)
+        ):
+            return call
+    return None
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     for site in fa.process_group_inits:
         call = site.call
+        setter = _global_rank_devices(fa, site)
+        if setter is not None:
+            yield (
+                call,
+                f"`{show(setter.func)}({show(setter.args[0])})` (line {setter.lineno}) picks "
+                "the device by the global rank: on a second node that index does not exist; "
+                "use the local rank (`int(os.environ['LOCAL_RANK'])`)",
+            )
+            continue
         if not _may_be_nccl(argument(call, 0, "backend"), site.scope, fa):
             continue
         if _chooses_device(fa, site):
