@@ -367,9 +367,7 @@ class RankModel:
             if not changed:
                 break
 
-    def _has_name(
-        self, table: dict[Scope, dict[str, int]], expr: ast.Name, scope: Scope
-    ) -> bool:
+    def _has_name(self, table: dict[Scope, dict[str, int]], expr: ast.Name, scope: Scope) -> bool:
         """A variable tainted in this scope at or above this line, or at module level
         (module code has run before any function is called)."""
         local = table.get(scope)

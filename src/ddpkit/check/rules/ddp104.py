@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Ref, Scope, Site
 from ddpkit.check.model import Severity
+from ddpkit.check.names import tail
 from ddpkit.check.rules.base import Hit, Rule, argument, contains, show
 from ddpkit.check.rules.ddp103 import checkpoint_writes
 
@@ -222,18 +224,61 @@ def _helper_fills_wrapper(
     return False
 
 
-def _reloaded_into_wrapper(fa: FileAnalysis, timelines: dict[_Key, _Timeline]) -> bool:
+@dataclass
+class _Resume:
+    """How checkpoints are loaded back into the wrapper, so its `module.` keys fit:
+    from the dict entries named `keys` (`ddp.load_state_dict(ckpt["netG_dict"])`), from a
+    bare state dict (`ddp.load_state_dict(torch.load(p))`), or in a way not seen here."""
+
+    keys: set[str] = field(default_factory=set)
+    bare: bool = False
+    unknown: bool = False
+
+    def covers(self, shape: str | None) -> bool:
+        """A save of this shape (a dict key, "" for a bare state dict) is what is resumed."""
+        if self.unknown or shape is None:
+            return True
+        return self.bare if shape == "" else shape in self.keys
+
+
+def _reloaded_into_wrapper(fa: FileAnalysis, timelines: dict[_Key, _Timeline]) -> _Resume | None:
     """`ddp_model.load_state_dict(...)`, directly or through a helper: the checkpoint is
     made to resume this same wrapper, so its `module.` keys load back as they are."""
+    resume = _Resume()
+    found = False
     for site in fa.calls("load_state_dict"):
         func = site.call.func
         if isinstance(func, ast.Attribute) and _is_wrapper_here(func.value, site, timelines):
-            return True
+            found = True
+            given = site.call.args[0] if site.call.args else None
+            if isinstance(given, ast.Subscript) and isinstance(given.slice, ast.Constant):
+                resume.keys.add(str(given.slice.value))
+            elif isinstance(given, ast.Call) and tail(given.func) == "load":
+                resume.bare = True
+            else:
+                resume.unknown = True
     for ref in fa.index.refs:
         call = ref.call_expr
         if call is not None and _helper_fills_wrapper(fa, ref, call, timelines):
-            return True
-    return False
+            found = True
+            resume.unknown = True
+    return resume if found else None
+
+
+def _saved_shape(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> str | None:
+    """Where a saved state dict sits: under a key of a dict literal, "" when it is saved
+    as it is (`torch.save(ddp.state_dict(), p)`), None when that is not in sight."""
+    for write, _ in checkpoint_writes(fa):
+        if write.scope is not site.scope:
+            continue
+        obj = argument(write.call, 0, "obj")
+        if obj is state_dict:
+            return ""
+        if isinstance(obj, ast.Dict):
+            for key, value in zip(obj.keys, obj.values, strict=True):
+                if value is state_dict and isinstance(key, ast.Constant):
+                    return str(key.value)
+    return None
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
@@ -243,8 +288,9 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
     if not candidates:
         return
     timelines = _timelines(fa)
-    if not timelines or _reloaded_into_wrapper(fa, timelines):
+    if not timelines:
         return
+    resume = _reloaded_into_wrapper(fa, timelines)
     for site in candidates:
         call = site.call
         if not isinstance(call.func, ast.Attribute) or call.args or call.keywords:
@@ -254,6 +300,8 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             continue
         if not _is_saved(fa, call, site):
             continue
+        if resume is not None and resume.covers(_saved_shape(fa, call, site)):
+            continue  # what the wrapper resumes from: its `module.` keys fit
         model = show(receiver)
         yield (
             call,
