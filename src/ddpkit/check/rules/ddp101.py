@@ -86,6 +86,25 @@ def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
     )
 
 
+def _may_shuffle(fa: FileAnalysis, shuffle: ast.expr, site: Site) -> bool:
+    """`shuffle=True`, or `shuffle=shuffle` where a call of the enclosing helper passes
+    True (`data_sampler(dataset, shuffle=True, distributed=...)`)."""
+    if is_constant(shuffle, True):
+        return True
+    scope = site.scope
+    if not isinstance(shuffle, ast.Name) or shuffle.id not in scope.params:
+        return False
+    node = scope.node
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    position = [a.arg for a in [*node.args.posonlyargs, *node.args.args]].index(shuffle.id)
+    if scope.is_method:
+        position -= 1
+    return any(
+        is_constant(argument(call, position if position >= 0 else None, shuffle.id), True)
+        for call in fa.callgraph.calls_of(scope)
+    )
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     samplers = fa.calls("DistributedSampler")
     if not samplers or fa.program_reaches("set_epoch"):
@@ -96,7 +115,7 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             continue
         # DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)
         shuffle = argument(call, 3, "shuffle")
-        if shuffle is not None and not is_constant(shuffle, True):
+        if shuffle is not None and not _may_shuffle(fa, shuffle, site):
             continue  # shuffle=False needs no epoch; a variable we cannot judge
         if not _iterated_across_epochs(fa, site):
             continue
