@@ -428,11 +428,10 @@ class CallGraph:
         self._collectives[fn] = frozenset()  # a recursive call adds nothing new
         paths: dict[str, list[tuple[Guard, ...]]] = {}
         for site in self._sites_in(unit, fn):
-            if type(site) is Ref:
-                assert isinstance(site, Ref)
+            if isinstance(site, Ref):
                 for callee in self.callees(unit, site):
-                    for member in self.collectives_of(callee, _depth + 1):
-                        paths.setdefault(member, []).append(site.guards)
+                    for made_there in self.collectives_of(callee, _depth + 1):
+                        paths.setdefault(made_there, []).append(site.guards)
             elif (member := collective(unit.index.imports, site.call)) is not None:
                 paths.setdefault(member, []).append(site.guards)
         params = set(fn.params)

@@ -103,20 +103,20 @@ class Atoms:
         return test
 
 
-def _value(formula: Formula, env: dict[str, bool]) -> bool:
+def value_of(formula: Formula, env: dict[str, bool]) -> bool:
     if isinstance(formula, bool):
         return formula
     kind, arg = formula
     if kind == "atom":
         return env[arg]
     if kind == "not":
-        return not _value(arg, env)
+        return not value_of(arg, env)
     if kind == "and":
-        return all(_value(f, env) for f in arg)
-    return any(_value(f, env) for f in arg)
+        return all(value_of(f, env) for f in arg)
+    return any(value_of(f, env) for f in arg)
 
 
-def _settings(keys: list[str]) -> Iterator[dict[str, bool]]:
+def settings(keys: list[str]) -> Iterator[dict[str, bool]]:
     for values in itertools.product((False, True), repeat=len(keys)):
         yield dict(zip(keys, values, strict=True))
 
@@ -137,19 +137,19 @@ def diverges(
         key = rank_keys[-1]
         guard = atoms.guards[key]
         return Divergence(guard, atoms.nodes[key], {}, {})
-    for shared in _settings(shared_keys):
-        for ranked in _settings(rank_keys):
+    for shared in settings(shared_keys):
+        for ranked in settings(rank_keys):
             env = {**shared, **ranked}
-            if not _value(formula, env):
+            if not value_of(formula, env):
                 continue
             # This rank gets through; flip one rank test to find one that does not.
             for key in reversed(rank_keys):
                 other = {**env, key: not env[key]}
-                if not _value(formula, other):
+                if not value_of(formula, other):
                     return Divergence(atoms.guards[key], atoms.nodes[key], env, other)
-            for other_ranked in _settings(rank_keys):
+            for other_ranked in settings(rank_keys):
                 other = {**shared, **other_ranked}
-                if not _value(formula, other):
+                if not value_of(formula, other):
                     key = next(k for k in rank_keys if other[k] != env[k])
                     return Divergence(atoms.guards[key], atoms.nodes[key], env, other)
     return None
@@ -195,8 +195,8 @@ class PathModel:
         shared_keys = [k for k in atoms.nodes if k not in rank_keys]
         if not rank_keys or not shared_keys or len(atoms.nodes) > _MAX_ATOMS:
             return None
-        for shared in _settings(shared_keys):
-            if all(_value(formula, {**shared, **r}) for r in _settings(rank_keys)):
+        for shared in settings(shared_keys):
+            if all(value_of(formula, {**shared, **r}) for r in settings(rank_keys)):
                 return [(atoms.nodes[k], v) for k, v in shared.items()]
         return None
 
@@ -207,4 +207,4 @@ class PathModel:
         formula = conjunction(atoms, guards)
         if any(k not in env for k in atoms.nodes):
             return None
-        return _value(formula, env)
+        return value_of(formula, env)

@@ -9,15 +9,25 @@ sight) gives a warning.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.callgraph import MPI_COLLECTIVES, collective
-from ddpkit.check.index import Ref, Site
+from ddpkit.check.index import Ref, Scope, Site
 from ddpkit.check.model import Severity
-from ddpkit.check.paths import Divergence
+from ddpkit.check.names import tail
+from ddpkit.check.paths import Atoms, Divergence, conjunction, settings, value_of
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS
-from ddpkit.check.rules.base import Hit, Rule, argument, describe_guard, scope_label, show
+from ddpkit.check.rules.base import (
+    Hit,
+    Rule,
+    argument,
+    assignments_to,
+    describe_guard,
+    scope_label,
+    show,
+)
 from ddpkit.collectives import COLLECTIVES
 
 # torch.distributed.checkpoint save/load coordinate all ranks as well.
@@ -37,6 +47,89 @@ def _on_subgroup(call: ast.Call) -> bool:
     if group is None or (isinstance(group, ast.Constant) and group.value is None):
         return False
     return not (isinstance(group, ast.Attribute) and group.attr == "WORLD")
+
+
+def _group_members(fa: FileAnalysis, group: ast.expr, site: Site) -> frozenset[int] | None:
+    """The ranks of `g = dist.new_group([0, 1])` (or `ranks=[...]`), where they are in
+    sight as literal numbers; None otherwise."""
+    if not isinstance(group, ast.Name):
+        return None
+    for a in assignments_to(fa, group.id, site.scope):
+        value = a.value
+        if isinstance(value, ast.Call) and tail(value.func) == "new_group":
+            ranks = argument(value, 0, "ranks")
+            numbers = _numbers(ranks) if ranks is not None else None
+            if numbers is not None:
+                return numbers
+    return None
+
+
+def _numbers(expr: ast.expr) -> frozenset[int] | None:
+    if isinstance(expr, (ast.List, ast.Tuple, ast.Set)) and all(
+        isinstance(e, ast.Constant) and type(e.value) is int for e in expr.elts
+    ):
+        return frozenset(e.value for e in expr.elts)  # type: ignore[attr-defined]
+    return None
+
+
+_COMPARE: dict[type[ast.cmpop], Callable[[int, Any], bool]] = {
+    ast.Eq: lambda r, c: r == c,
+    ast.NotEq: lambda r, c: r != c,
+    ast.Lt: lambda r, c: r < c,
+    ast.LtE: lambda r, c: r <= c,
+    ast.Gt: lambda r, c: r > c,
+    ast.GtE: lambda r, c: r >= c,
+    ast.In: lambda r, c: r in c,
+    ast.NotIn: lambda r, c: r not in c,
+}
+
+
+def _on_rank(fa: FileAnalysis, atom: ast.expr, scope: Scope, rank: int) -> bool | None:
+    """The value of a rank test such as `rank == 0` or `rank in (0, 1)` on `rank`."""
+    if not (isinstance(atom, ast.Compare) and len(atom.ops) == 1):
+        return None
+    if not fa.ranks.is_rank_value(atom.left, scope):
+        return None
+    right = atom.comparators[0]
+    constant: Any = _numbers(right)
+    if constant is None and isinstance(right, ast.Constant) and type(right.value) is int:
+        constant = right.value
+    compare = _COMPARE.get(type(atom.ops[0]))
+    if constant is None or compare is None:
+        return None
+    return compare(rank, constant)
+
+
+def _subgroup_split(fa: FileAnalysis, site: Site) -> str | None:
+    """`dist.all_reduce(t, group=g)` with `g = new_group([0, 1])` under `if rank == 0:`:
+    a member of the group that does not call it (rank 1), so the others hang. Judged only
+    where the members and the rank tests are plain numbers in sight."""
+    group = argument(site.call, None, "group")
+    members = _group_members(fa, group, site) if group is not None else None
+    if members is None or not site.guards:
+        return None
+    atoms = Atoms()
+    formula = conjunction(atoms, site.guards)
+    shared = [k for k, n in atoms.nodes.items() if not fa.ranks.is_rank_condition(n, site.scope)]
+    for setting in settings(shared):
+        passing = set()
+        for rank in sorted(members):
+            env = dict(setting)
+            for key, node in atoms.nodes.items():
+                if key not in env:
+                    value = _on_rank(fa, node, site.scope, rank)
+                    if value is None:
+                        return None
+                    env[key] = value
+            if value_of(formula, env):
+                passing.add(rank)
+        left_out = sorted(members - passing)
+        if passing and left_out:
+            return (
+                f"its group's members are {sorted(members)}, but rank {left_out[0]} never "
+                f"gets past {show(site.guards[-1].test)}"
+            )
+    return None
 
 
 def _events(fa: FileAnalysis, site: Site, member: str) -> list[Site]:
@@ -129,6 +222,9 @@ def _guarded_collectives(fa: FileAnalysis) -> Iterator[Hit]:
     for site, member in _collectives(fa):
         call = site.call
         if _on_subgroup(call):
+            split = _subgroup_split(fa, site)
+            if split is not None:
+                yield call, f"`{show(call.func)}()` on a sub-group: {split}; {_FIX}"
             continue
         why = fa.rank_only(site)
         if why is None:
