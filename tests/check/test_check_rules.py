@@ -196,6 +196,30 @@ def test_ddp106_stays_silent_when_every_rank_gets_there(source: str) -> None:
     assert codes(source, "DDP106") == []
 
 
+SEVERITY = {
+    # A rank by data flow: torch's own call, the launcher's variable, mp.spawn's index.
+    "get_rank()": ("if dist.get_rank() == 0:", "error"),
+    "LOCAL_RANK": ('if int(os.environ["LOCAL_RANK"]) == 0:', "error"),
+    "a variable given to init_process_group": ("if rank == 0:", "error"),
+    # A rank only by its name: nothing in sight shows where `is_master` comes from.
+    "a name alone": ("if is_master:", "warning"),
+}
+
+
+@pytest.mark.parametrize(("test", "severity"), SEVERITY.values(), ids=list(SEVERITY))
+def test_ddp106_is_an_error_only_when_the_test_is_a_rank_by_data_flow(
+    test: str, severity: str
+) -> None:
+    source = f"""
+        def f(t, rank, is_master):
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+            {test}
+                dist.all_reduce(t)
+    """
+    found = check_source(HEAD + textwrap.dedent(source), "t.py", select=["DDP106"])
+    assert [f.severity.value for f in found] == [severity]
+
+
 # -- DDP103 -----------------------------------------------------------------------------
 
 INIT = 'dist.init_process_group("gloo")\n'

@@ -40,21 +40,52 @@ def _key(target: ast.expr, scope: Scope) -> _Key | None:
     return None
 
 
+def _unwraps(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Attribute) and expr.attr == "module"
+
+
 def _timelines(fa: FileAnalysis) -> dict[_Key, _Timeline]:
-    """Assignment histories of the names and attributes that are ever a DDP wrapper."""
-    wrapped = {
+    """Assignment histories of the names and attributes that are ever a DDP wrapper:
+    assigned a wrap, or handed one on (`self.model = model` after `model = DDP(model)`,
+    `save_model = ema if use_ema else self.model`)."""
+    handed_on: set[int] = set()  # assigned values (by id) that carry a wrapper
+    # Targets that the code unwraps somewhere (`g = gen.module` in one branch, `g = gen`
+    # in the other, the single-process one): a copy into them is the plain model.
+    unwrapped = {
         key
         for a in fa.index.assignments
-        if fa.is_ddp_wrap(a.value) and (key := _key(a.target, a.scope)) is not None
+        if _unwraps(a.value) and (key := _key(a.target, a.scope)) is not None
     }
     timelines: dict[_Key, _Timeline] = {}
-    if not wrapped:
-        return timelines
-    for a in fa.index.assignments:
-        key = _key(a.target, a.scope)
-        if key in wrapped:
-            entry = (_position(a.value), fa.is_ddp_wrap(a.value), a.scope)
-            timelines.setdefault(key, []).append(entry)
+    for _ in range(3):  # model -> self.model -> save_model
+        wrapped = {
+            key
+            for a in fa.index.assignments
+            if (fa.is_ddp_wrap(a.value) or id(a.value) in handed_on)
+            and (key := _key(a.target, a.scope)) is not None
+        }
+        timelines = {}
+        for a in fa.index.assignments:
+            key = _key(a.target, a.scope)
+            if key in wrapped:
+                carries = fa.is_ddp_wrap(a.value) or id(a.value) in handed_on
+                timelines.setdefault(key, []).append((_position(a.value), carries, a.scope))
+        news = False
+        for a in fa.index.assignments:
+            value = a.value
+            if id(value) in handed_on or _key(a.target, a.scope) in unwrapped:
+                continue
+            branches = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+            if any(_unwraps(b) for b in branches):
+                continue  # `model.module if ddp else model`: the plain model either way
+            here = Site(value, a.scope, (), 0)
+            if any(
+                _is_wrapped_receiver(b, here, timelines, fa.index.module) for b in branches
+            ):
+                handed_on.add(id(value))
+                news = True
+        if not news:
+            break
     return timelines
 
 
