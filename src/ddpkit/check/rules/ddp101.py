@@ -87,22 +87,34 @@ def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
 
 
 def _may_shuffle(fa: FileAnalysis, shuffle: ast.expr, site: Site) -> bool:
-    """`shuffle=True`, or `shuffle=shuffle` where a call of the enclosing helper passes
-    True (`data_sampler(dataset, shuffle=True, distributed=...)`)."""
+    """`shuffle=True`; or a parameter of the enclosing helper that one of its calls
+    makes true: `shuffle=shuffle` given True (`data_sampler(ds, shuffle=True, ...)`),
+    `shuffle=mode == "train"` given "train"."""
     if is_constant(shuffle, True):
         return True
+    wanted: object = True
+    if (
+        isinstance(shuffle, ast.Compare)
+        and len(shuffle.ops) == 1
+        and isinstance(shuffle.ops[0], ast.Eq)
+        and isinstance(shuffle.comparators[0], ast.Constant)
+    ):
+        wanted = shuffle.comparators[0].value
+        shuffle = shuffle.left
     scope = site.scope
     if not isinstance(shuffle, ast.Name) or shuffle.id not in scope.params:
         return False
     node = scope.node
     assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    position = [a.arg for a in [*node.args.posonlyargs, *node.args.args]].index(shuffle.id)
-    if scope.is_method:
-        position -= 1
-    return any(
-        is_constant(argument(call, position if position >= 0 else None, shuffle.id), True)
-        for call in fa.callgraph.calls_of(scope)
-    )
+    positional = [a.arg for a in [*node.args.posonlyargs, *node.args.args]]
+    position: int | None = None
+    if shuffle.id in positional:
+        position = positional.index(shuffle.id) - (1 if scope.is_method else 0)
+    for call in fa.callgraph.calls_of(scope):
+        given = argument(call, position, shuffle.id)
+        if isinstance(given, ast.Constant) and given.value == wanted:
+            return True
+    return False
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
