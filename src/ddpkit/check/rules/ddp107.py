@@ -99,13 +99,15 @@ def _reloads_own_save(fa: FileAnalysis, site: Site, saves: list[_Save]) -> bool:
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    if not fa.is_ddp_script:
+    if not (fa.is_ddp_script or any(peer.is_ddp_script for peer in fa.peers)):
         return
     loads = [site for site, _ in fa.resolved_calls("torch", LOADERS)]
     saves: list[_Save] | None = None
     for site in loads:
         call = site.call
         if has_unknown_arguments(call) or _mapped(site) or _sibling_maps(site, loads):
+            continue
+        if fa.rank_only(site) is not None:
             continue
         if saves is None:
             saves = _saves(fa)
