@@ -79,9 +79,7 @@ def _timelines(fa: FileAnalysis) -> dict[_Key, _Timeline]:
             if any(_unwraps(b) for b in branches):
                 continue  # `model.module if ddp else model`: the plain model either way
             here = Site(value, a.scope, (), 0)
-            if any(
-                _is_wrapped_receiver(b, here, timelines, fa.index.module) for b in branches
-            ):
+            if any(_is_wrapped_receiver(b, here, timelines, fa.index.module) for b in branches):
                 handed_on.add(id(value))
                 news = True
         if not news:

@@ -28,6 +28,7 @@ from ddpkit.check.rules.base import (
     scope_label,
     show,
 )
+from ddpkit.check.sharding import Sharding
 from ddpkit.collectives import COLLECTIVES
 
 # torch.distributed.checkpoint save/load coordinate all ranks as well.
@@ -250,8 +251,9 @@ def _guarded_collectives(fa: FileAnalysis) -> Iterator[Hit]:
 
 def _guarded_calls(fa: FileAnalysis) -> Iterator[Hit]:
     """A call under a rank test of a function of the program that makes a collective
-    (`if rank == 0: save_checkpoint()` with a barrier inside): reported at the call, where
-    the fix goes."""
+    (`if rank == 0: save_checkpoint()` with a barrier inside), or that runs a sharded
+    model (see `sharding.py`): reported at the call, where the fix goes."""
+    sharding = Sharding(fa)
     for ref in fa.index.refs:
         if ref.call_expr is None or _on_subgroup(ref.call_expr):
             continue
@@ -261,6 +263,14 @@ def _guarded_calls(fa: FileAnalysis) -> Iterator[Hit]:
         made = _made_by(fa, ref)
         unbalanced = sorted(m for m in made if not _balanced(fa, ref, m, found))
         if not unbalanced:
+            model = sharding.runs(ref)
+            if model is not None:
+                message = (
+                    f"`{show(ref.call_expr.func)}()` runs the sharded model `{model}`, whose "
+                    "forward gathers its parameters from every rank, but only on the ranks "
+                    f"that pass {describe_guard(found.guard)}{_paths(found)}; {_FIX}"
+                )
+                yield _hit(ref.call_expr, message, fa.is_proven(found, ref.scope))
             continue
         callee = next(fn for fn in fa.callees(ref) if fa.callgraph.collectives_of(fn))
         message = (
