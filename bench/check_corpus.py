@@ -8,6 +8,7 @@ repository: `--fetch DIR` downloads the files from raw.githubusercontent.com int
 files together as one folder.
 
     .venv/bin/python bench/check_corpus.py --fetch bench/corpus/files   # once, with network
+    .venv/bin/python bench/check_corpus.py --from-git /work/.mirror     # or from git copies
     .venv/bin/python bench/check_corpus.py                              # score
 
 A finding matches an expected entry when code and file agree, and the line too when
@@ -16,9 +17,10 @@ precision and recall, false positives at error severity and files/s; the JSON
 result goes to `--out` (default bench/results/check_corpus.json). Without the files
 it prints one line saying so and exits 0.
 
-Entries marked `"heldout": true` come from repositories the rules were not tuned on.
-When both kinds are scored, a `tuned:` and a `held-out:` line follow the overall one;
-`--heldout-only` scores the held-out repositories alone.
+Entries marked `"heldout": true` come from repositories the rules were not tuned on;
+`"set"` names the day a held-out set was judged by hand, before that round's rule
+changes. The newest set is scored on its own line first, then the earlier held-out
+sets, then the tuned repositories; `--heldout-only` scores the held-out ones alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import datetime
 import json
 import re
+import subprocess
 import sys
 import time
 import urllib.request
@@ -114,6 +117,31 @@ def fetch(entries: list[Entry], dest: Path, timeout: float = 30.0) -> int:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
+    return failed
+
+
+def extract(entries: list[Entry], mirrors: Path, dest: Path) -> int:
+    """Write the listed files into `dest/{repo}/{path}` from local git copies of the
+    repositories (`mirrors/{owner}+{name}`, a bare repository or one with a `repo/`
+    git folder inside, as the workplace's `fetch` leaves them); returns how many failed."""
+    failed = 0
+    for e in entries:
+        target = dest / e.repo / e.path
+        if target.exists():
+            continue
+        base = mirrors / e.repo.replace("/", "+")
+        git_dir = base / "repo" if (base / "repo" / "HEAD").exists() else base
+        shown = subprocess.run(
+            ["git", f"--git-dir={git_dir}", "show", f"{e.commit}:{e.path}"],
+            capture_output=True,
+            check=False,
+        )
+        if shown.returncode != 0:
+            print(f"failed: {e.repo}@{e.commit}:{e.path}: {shown.stderr.decode().strip()}")
+            failed += 1
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(shown.stdout)
     return failed
 
 
@@ -254,11 +282,6 @@ def run(
     precision, recall = _ratio(tp, tp + fp), _ratio(tp, tp + fn)
     rate = files / seconds if seconds else 0.0
     skipped = len(groups) - len(present)
-    print(
-        f"overall: {len(present)} repositories ({skipped} skipped, files absent), {files} files, "
-        f"precision {_fmt(precision)}, recall {_fmt(recall)} (tp {tp}, fp {fp}, fn {fn}), "
-        f"false positives at error severity {fp_errors}, {rate:.0f} files/s"
-    )
     splits: dict[str, Any] = {}
     newest = max((s.judged for s in scores if s.judged), default=None)
     if newest is not None:
@@ -279,6 +302,11 @@ def run(
     if tuned and (held or newest):
         splits["tuned"] = summary(tuned)
         print(_summary_line("tuned", splits["tuned"]))
+    print(
+        f"overall: {len(present)} repositories ({skipped} skipped, files absent), {files} files, "
+        f"precision {_fmt(precision)}, recall {_fmt(recall)} (tp {tp}, fp {fp}, fn {fn}), "
+        f"false positives at error severity {fp_errors}, {rate:.0f} files/s"
+    )
     if verbose:
         for s in scores:
             for f in s.false_positives:
@@ -312,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--files", type=Path, default=DEFAULT_FILES, help="where the files are")
     parser.add_argument("--fetch", type=Path, metavar="DIR", help="download the files into DIR")
+    parser.add_argument(
+        "--from-git",
+        type=Path,
+        metavar="MIRRORS",
+        help="write the files into --files from local git copies (MIRRORS/owner+name)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result")
     parser.add_argument("--line-slack", type=int, default=0, help="line tolerance when matching")
     parser.add_argument("-v", "--verbose", action="store_true", help="list FPs and misses")
@@ -322,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fetch is not None:
         failed = fetch(load_corpus(args.corpus), args.fetch)
         print(f"fetched into {args.fetch}; {failed} failed")
+        return 1 if failed else 0
+    if args.from_git is not None:
+        failed = extract(load_corpus(args.corpus), args.from_git, args.files)
+        print(f"extracted into {args.files}; {failed} failed")
         return 1 if failed else 0
     return run(args.files, args.corpus, args.out, args.line_slack, args.verbose, args.heldout_only)
 

@@ -92,8 +92,11 @@ EXPLANATIONS: dict[str, Explanation] = {
         why="""A collective (all_reduce, barrier, broadcast, gather, ...) returns only when
             every rank of the group has called it. Behind a rank check, rank 0 calls it
             and the other ranks never do, so the job hangs until the timeout (the DDP
-            tutorial's warning). This includes a collective inside a helper that is itself only
-            called on rank 0.""",
+            tutorial's warning). This includes a helper that makes a collective called on
+            rank 0 only, and the forward of a sharded (FSDP) model, which gathers its
+            parameters from every rank. It is an error when the rank test is a rank by data
+            flow (get_rank(), RANK, what init_process_group is given), a warning when only
+            its name says so.""",
         wrong="""
             if rank == 0:
                 dist.all_reduce(loss)          # ranks 1..N-1 never arrive
@@ -106,7 +109,8 @@ EXPLANATIONS: dict[str, Explanation] = {
     "DDP107": Explanation(
         why="""torch.load restores each tensor onto the device it was saved from, which is
             usually cuda:0. Without map_location every rank loads the whole checkpoint
-            onto GPU 0, which wastes its memory or runs it out.""",
+            onto GPU 0, which wastes its memory or runs it out. (A load that only rank 0
+            makes is left alone.)""",
         wrong='state = torch.load("ckpt.pt")',
         right='state = torch.load("ckpt.pt", map_location=f"cuda:{local_rank}")  # or "cpu"',
     ),
