@@ -83,6 +83,7 @@ def test_import_ddpkit_stays_lazy() -> None:
 # (errors, context, storage, ...) may use each other.
 LAYERS: list[tuple[str, ...]] = [
     (
+        "ddpkit.findings",
         "ddpkit.errors",
         "ddpkit.versions",
         "ddpkit.context",

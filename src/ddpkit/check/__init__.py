@@ -15,7 +15,7 @@ torch, so it is fast and safe on any file:
 from __future__ import annotations
 
 from ddpkit.check.explain import explain
-from ddpkit.check.model import UNREADABLE, Finding, Severity
+from ddpkit.check.model import UNREADABLE
 from ddpkit.check.rules import RULES, Rule
 from ddpkit.check.runner import (
     Report,
@@ -25,6 +25,7 @@ from ddpkit.check.runner import (
     check_source,
     python_files,
 )
+from ddpkit.findings import Finding, Severity
 
 __all__ = [
     "RULES",

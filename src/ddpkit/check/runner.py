@@ -14,9 +14,10 @@ from itertools import compress
 from pathlib import Path
 
 from ddpkit.check.analysis import FileAnalysis
-from ddpkit.check.model import UNREADABLE, Finding, Severity
+from ddpkit.check.model import UNREADABLE
 from ddpkit.check.program import analyse_program
 from ddpkit.check.rules import RULES, Rule
+from ddpkit.findings import Finding, Severity
 from ddpkit.userfiles import NotRegularFile, read_regular
 
 # A bare noqa comment silences every code on its line; `noqa: DDP103, DDP106` only those.

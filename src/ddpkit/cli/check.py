@@ -12,9 +12,9 @@ import sys
 from typing import Any
 
 from ddpkit.check.explain import explain
-from ddpkit.check.output import format_json, format_text, summary
 from ddpkit.check.rules import RULES
 from ddpkit.check.runner import SelectionError, check_paths
+from ddpkit.findings import confirm, format_json, format_text, read_audit_log, summary
 
 HELP = "find DDP pitfalls in training scripts without running them (no torch needed)"
 USAGE_ERROR = 2
@@ -69,6 +69,12 @@ def add_parser(sub: Any) -> None:
         "--ignore", action="append", metavar="CODES", help="skip these codes or prefixes"
     )
     p.add_argument("--explain", metavar="CODE", help="print why a rule exists, with examples")
+    p.add_argument(
+        "--audit-log",
+        metavar="DIR",
+        help="the --log-dir of a `ddpkit run --audit` of these scripts: mark the findings "
+        "that run committed as confirmed, and keep DDP106 a warning if it ended well",
+    )
     p.set_defaults(func=run)
 
 
@@ -94,17 +100,24 @@ def run(args: argparse.Namespace) -> int:
         report = check_paths(args.paths, select=_codes(args.select), ignore=_codes(args.ignore))
     except SelectionError as exc:
         return _usage_error(str(exc))
+    findings = report.findings
+    if args.audit_log is not None:
+        try:
+            audited, status = read_audit_log(args.audit_log)
+        except ValueError as exc:
+            return _usage_error(str(exc))
+        findings = confirm(findings, audited, status)
     for path in report.missing:
         print(f"ddpkit check: error: no such file or folder: {path}", file=sys.stderr)
     # "no findings in 0 files" beside the error of a missing path says nothing more.
-    quiet = report.missing and not report.files_checked and not report.findings
-    line = None if quiet else summary(report.findings, report.files_checked)
+    quiet = report.missing and not report.files_checked and not findings
+    line = None if quiet else summary(findings, report.files_checked)
     if args.format == "json":
-        sys.stdout.write(format_json(report.findings))
+        sys.stdout.write(format_json(findings))
         if line is not None:
             print(line, file=sys.stderr)  # stdout stays one JSON document
     else:
-        sys.stdout.write(format_text(report.findings))
+        sys.stdout.write(format_text(findings))
         if line is not None:
             print(line)
     return report.exit_code

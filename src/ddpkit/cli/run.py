@@ -15,6 +15,8 @@ from typing import Any
 
 from ddpkit.cli.flags import add_process_flags, check_folder, check_processes
 from ddpkit.errors import ConfigError
+from ddpkit.findings import Finding, format_json, write_audit_log
+from ddpkit.processes.audit import report as audit_report
 from ddpkit.processes.config import LaunchConfig, parse_local_ranks
 from ddpkit.processes.slurm import slurm_step
 from ddpkit.userfiles import kind_of
@@ -75,6 +77,21 @@ def add_parser(sub: Any) -> None:
         metavar="DIR",
         help="write each rank's output, stdout and stderr, to DIR/rank<N>.log",
     )
+    p.add_argument(
+        "--audit",
+        nargs="?",
+        const="report",
+        metavar="strict",
+        help="watch what the job does and report the DDP pitfalls it actually committed, "
+        "at the end (ranks that trained different weights, a file saved by every rank, "
+        "...); --audit=strict also exits 3 when there are findings",
+    )
+    p.add_argument(
+        "--format",
+        choices=("text", "json"),
+        default="text",
+        help="the audit's report: lines as `ddpkit check` prints them (default), or JSON",
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -82,6 +99,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _audit_mode(args)
     _fill_from_slurm(args)
     settings = LaunchConfig(
         nnodes=args.nnodes,
@@ -104,10 +122,43 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.processes.agent import run_script  # torch: once the flags are good
     from ddpkit.processes.workers import exit_now
 
-    code = run_script(command, settings)
+    found: list[Finding] = []
+    code = run_script(command, settings, found.extend if args.audit is not None else None)
+    if args.audit is not None:
+        _report_audit(found, args.format, settings.log_dir, code)
+        if found and args.audit == "strict":
+            code = AUDIT_STRICT_EXIT
     # No interpreter shutdown, as for the workers: torch's threads (the store client
     # of the hang watch on several nodes) can turn it into an abort after a clean run.
     exit_now(code)
+
+
+# `ddpkit run --audit=strict`: the job ran, and the audit found pitfalls it committed.
+AUDIT_STRICT_EXIT = 3
+
+
+def _audit_mode(args: argparse.Namespace) -> None:
+    """`--audit SCRIPT`: argparse gives the script to --audit's optional value; hand it
+    back. Only `--audit=strict` names a mode."""
+    if args.audit in (None, "report", "strict"):
+        return
+    if not (args.audit.endswith(".py") or Path(args.audit).is_file()):
+        raise ConfigError(
+            f"--audit={args.audit}: unknown mode; use --audit (report) or --audit=strict"
+        )
+    rest = [args.script, *args.args] if args.script is not None else list(args.args)
+    args.script, args.args, args.audit = args.audit, rest, "report"
+
+
+def _report_audit(found: list[Finding], fmt: str, log_dir: str | None, code: int) -> None:
+    """One block after the job: the findings as `ddpkit check` prints them, or JSON; with
+    --log-dir, also DIR/audit.json for `ddpkit check --audit-log DIR`."""
+    if log_dir is not None:
+        write_audit_log(log_dir, found, code)
+    if fmt == "json":
+        print(format_json(found), end="", flush=True)
+        return
+    print(audit_report(found), end="", flush=True)
 
 
 def _fill_from_slurm(args: argparse.Namespace) -> None:

@@ -39,6 +39,9 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 )
 
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
+from ddpkit.findings import Finding  # noqa: E402
+from ddpkit.processes.audit import AUDIT_ENV  # noqa: E402
+from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.machine import threads_per_rank  # noqa: E402
 from ddpkit.processes.output import RankOutput  # noqa: E402
@@ -57,10 +60,15 @@ from ddpkit.processes.store import serve_store  # noqa: E402
 from ddpkit.processes.watchdog import descendants  # noqa: E402
 
 
-def run_script(command: list[str], opts: LaunchConfig) -> int:
+def run_script(
+    command: list[str],
+    opts: LaunchConfig,
+    on_audit: Callable[[list[Finding]], None] | None = None,
+) -> int:
     """Run `command` (SCRIPT ARGS..., or -m MODULE ARGS...) on every worker through
     torchrun's agent, `opts.nprocs` (resolved to a number) on this machine; the exit
-    status.
+    status. With `on_audit`, the workers are audited (see `audit.py`) and it is given
+    what they did wrong, once the job has ended (well or not).
 
     0 when every worker succeeded; 1 after a crash, with the first failing rank's
     traceback on stderr; 124 for a hang, with every rank's stack; 128 + N when the job
@@ -101,6 +109,8 @@ def run_script(command: list[str], opts: LaunchConfig) -> int:
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_s),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
+    if on_audit is not None:
+        env[AUDIT_ENV] = "1"
     if not single:
         # Every node's watch judges every rank, so the ranks report to the store too.
         env["DDPKIT_STATUS_STORE"] = f"{host}:{port}"
@@ -147,6 +157,8 @@ def run_script(command: list[str], opts: LaunchConfig) -> int:
         return 1
     finally:
         output.close()
+        if on_audit is not None:
+            on_audit(audit_findings(_latest_attempt(status)))
         shutil.rmtree(status, ignore_errors=True)
         del store
 

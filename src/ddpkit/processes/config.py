@@ -77,6 +77,12 @@ class LaunchConfig:
     local_ranks_filter: tuple[int, ...] | None = None
     """`ddpkit run`: the local ranks (0 to nprocs - 1 on each machine) whose output the
     console shows; None: every rank. The others' output still goes to their logs."""
+    audit: bool = False
+    """Watch what the ranks do (optimizer steps, saves, loads, samplers, the DDP wrap, the
+    group's end) and, after the job, print the DDP pitfalls it actually committed, in the
+    checker's format (see `ddpkit.processes.audit`). Off by default; it costs a lookup per
+    optimizer step and one hash of the weights at the end. With one process there is
+    nothing to compare; under an agent, use `ddpkit run --audit`."""
     log_dir: str | None = None
     """`ddpkit run`: a folder for each rank's output (stdout and stderr), `rank<N>.log`;
     None: the logs are kept only when the job fails, in a folder named then."""

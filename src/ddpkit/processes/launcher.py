@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, HangError, Preempted, StoppedAtStart, WorkerError
+from ddpkit.processes.audit import findings as audit_findings
+from ddpkit.processes.audit import report as audit_report
 from ddpkit.processes.config import LOOPBACK, LaunchConfig
 from ddpkit.processes.group import destroy_group, device_for, init_group
 from ddpkit.processes.machine import (
@@ -86,6 +88,7 @@ def launch(
     hang_timeout: float | None = None,
     signal_grace: float = DEFAULT_SIGNAL_GRACE,
     start: StartMethod = "auto",
+    audit: bool = False,
 ) -> T:
     """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
@@ -112,7 +115,9 @@ def launch(
         timeout: seconds any collective may wait before it fails.
         hang_timeout: seconds before ranks that make no progress are stopped (0: never).
         signal_grace: seconds the ranks get to save and stop after a stop signal.
-        start: how workers start: "auto", "fork", "forkserver" or "spawn". Each of
+        start: how workers start: "auto", "fork", "forkserver" or "spawn".
+        audit: after the job, print on stderr the DDP pitfalls it actually committed
+            (ranks that trained different weights, a file saved by every rank, ...). Each of
             these settings is a field of `ddpkit.processes.config.LaunchConfig`, which
             says in full what it does and checks it.
 
@@ -143,6 +148,7 @@ def launch(
         hang_timeout=hang_timeout,
         signal_grace=signal_grace,
         start=start,
+        audit=audit,
     )
     if dist.is_available() and dist.is_initialized():
         # The caller set up the group itself (or we are nested): just run.
@@ -288,6 +294,9 @@ def _spawn(
     traces = tmpdir / "nccl-trace" if backend == "nccl" else None
     if traces:
         traces.mkdir()
+    audited = tmpdir / "audit" if cfg.audit else None
+    if audited:
+        audited.mkdir()
     spec = Spec(
         world_size=n,
         backend=backend,
@@ -306,6 +315,7 @@ def _spawn(
         stdio=(ParentFd(1), ParentFd(2)) if method == "forkserver" else None,
         hang_timeout=hang_timeout,
         trace_dir=str(traces) if traces else None,
+        audit_dir=str(audited) if audited else None,
     )
     log.debug("starting %d workers with %s", n, method)
     # Python 3.12+ warns at every fork while threads run. "auto" forks then only for a
@@ -370,6 +380,8 @@ def _spawn(
             conn.close()
         if traces:
             _keep_traces(traces)
+        if audited:
+            print(audit_report(audit_findings(audited)), end="", file=sys.stderr, flush=True)
         shutil.rmtree(tmpdir, ignore_errors=True)
         if listener is not None:
             listener.close()

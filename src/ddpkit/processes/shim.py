@@ -76,6 +76,8 @@ def main() -> None:
 
     attach()
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
+    from ddpkit.processes import audit
+    from ddpkit.processes.audit import AUDIT_ENV
     from ddpkit.processes.launcher import ReleasedByLaunch
     from ddpkit.processes.watchdog import Watchdog, record_error, write_json
     from ddpkit.processes.workers import die_with_parent, exit_now
@@ -91,8 +93,11 @@ def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
     folder = _status_folder()
     watchdog = None
+    recorder = None
     if folder is not None:
         _note_process_group(folder, rank)
+        if os.environ.get(AUDIT_ENV):
+            recorder = audit.install(rank)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
     sys.argv = [target, *rest]
@@ -124,6 +129,8 @@ def main() -> None:
             traceback.print_exc()
         if folder is not None:
             record_error(folder, rank, exc)
+    if recorder is not None and folder is not None:
+        audit.finish(recorder, folder)
     if code == 0 and folder is not None:
         # A rank whose peers then fail in a collective left them waiting: the agent
         # names it (see report.left_early).

@@ -23,6 +23,7 @@ import torch
 
 from ddpkit.context import DistContext
 from ddpkit.errors import Preempted
+from ddpkit.processes import audit
 from ddpkit.processes.config import LOOPBACK
 from ddpkit.processes.group import destroy_group, device_for, init_group
 from ddpkit.processes.machine import threads_per_rank
@@ -55,6 +56,7 @@ class Spec:
     stdio: tuple[ParentFd, ParentFd] | None = None  # and its stdout and stderr
     hang_timeout: float = 0.0  # ddpkit's hang timeout (0: off): NCCL's must be shorter
     trace_dir: str | None = None  # where NCCL's flight recorder dumps on a timeout
+    audit_dir: str | None = None  # where an audited rank writes what it saw (launch(audit=True))
 
 
 class ParentFd:
@@ -166,8 +168,11 @@ def worker(
     os.environ.update(nccl_env)
     # The launcher learns of this rank's first optimizer step: until some rank has
     # taken one, a stop signal loses nothing and the job ends as StoppedAtStart.
+    recorder = audit.install(rank) if spec.audit_dir else None
     with starting_up(on_first_step=lambda: _say_trained(conn)):
         code = _run_rank(rank, spec, fn, args, conn, group_timeout, watchdog)
+    if recorder is not None and spec.audit_dir:
+        audit.finish(recorder, Path(spec.audit_dir))
     exit_now(code)
 
 

@@ -9,7 +9,7 @@ from typing import TypeGuard
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import AFTER, OPERAND, ORELSE, Assignment, Guard, Scope
-from ddpkit.check.model import Severity
+from ddpkit.findings import Severity
 
 # A rule reports the node to point at and its message; a third item, when given, is
 # the severity of this one finding (a rule whose proof is weaker here says so).

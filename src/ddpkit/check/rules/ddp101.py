@@ -8,9 +8,9 @@ from typing import cast
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
 from ddpkit.check.rules.base import Hit, Rule, argument, has_unknown_arguments, is_constant
+from ddpkit.findings import Severity
 
 # Wrappers around the loader in `for batch in enumerate(tqdm(loader))`.
 _ITER_WRAPPERS = frozenset({"enumerate", "tqdm", "iter", "islice", "zip"})

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.callgraph import Context
 from ddpkit.check.index import Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
 from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
+from ddpkit.findings import Severity
 
 # (module, names, position of the file argument)
 _WRITERS = (

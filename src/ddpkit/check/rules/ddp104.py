@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Ref, Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
 from ddpkit.check.rules.base import Hit, Rule, argument, contains, show
 from ddpkit.check.rules.ddp103 import checkpoint_writes
+from ddpkit.findings import Severity
 
 # Code that strips the prefix itself, after which saving the wrapper's dict is fine.
 _PREFIX_FIXERS = ("consume_prefix_in_state_dict_if_present",)

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.rules.base import Hit, Rule, argument, is_constant
+from ddpkit.findings import Severity
 
 _BATCH_NORM = re.compile(r"^(?:Lazy)?BatchNorm[123]d$")
 # torchvision models built with BatchNorm layers.

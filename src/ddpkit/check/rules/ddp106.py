@@ -15,7 +15,6 @@ from typing import Any
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.callgraph import MPI_COLLECTIVES, collective
 from ddpkit.check.index import Ref, Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import tail
 from ddpkit.check.paths import Atoms, Divergence, conjunction, settings, value_of
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS
@@ -30,6 +29,7 @@ from ddpkit.check.rules.base import (
 )
 from ddpkit.check.sharding import Sharding
 from ddpkit.collectives import COLLECTIVES
+from ddpkit.findings import Severity
 
 # torch.distributed.checkpoint save/load coordinate all ranks as well.
 _DCP = (

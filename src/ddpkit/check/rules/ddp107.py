@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import BODY, ORELSE, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import dotted
 from ddpkit.check.rules.base import Hit, Rule, argument, has_unknown_arguments
 from ddpkit.check.rules.ddp103 import checkpoint_writes, per_rank_path
+from ddpkit.findings import Severity
 
 LOADERS = frozenset({"load"})
 # A save: where it is, what it writes (None when unknown) and the path it writes to.

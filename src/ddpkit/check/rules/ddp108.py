@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
-from ddpkit.check.model import Severity
 from ddpkit.check.rules.base import Hit, Rule, argument, is_constant
 from ddpkit.check.rules.ddp107 import LOADERS
+from ddpkit.findings import Severity
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import dotted, tail
 from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
+from ddpkit.findings import Severity
 
 # Any of these picks a device per process.
 _DEVICE_SETTERS = ("set_device", "set_device_index", "set_default_device")

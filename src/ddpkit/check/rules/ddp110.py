@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
-from ddpkit.check.model import Severity
 from ddpkit.check.names import dotted, tail
 from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, has_unknown_arguments, show
+from ddpkit.findings import Severity
 
 _PORT_KEY = "MASTER_PORT"
 _TCP_URL = re.compile(r"tcp://[^\s/]*:\d+")

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Site
-from ddpkit.check.model import Severity
 from ddpkit.check.rules.base import Hit, Rule
+from ddpkit.findings import Severity
 
 
 def _setup_for_a_script(fa: FileAnalysis, site: Site) -> bool:

@@ -1,0 +1,445 @@
+"""`ddpkit run --audit`: the DDP pitfalls a job actually committed while it ran.
+
+A static checker must guess; a running job shows what happens. In each rank, `install`
+puts hooks on the few calls that matter (the optimizer's step, `torch.save` and
+`torch.load`, `DistributedSampler`, `DistributedDataParallel`, the process group's
+start and end) and `finish` writes what they saw to `rank<N>.audit.json`. At the end,
+`findings` reads every rank's file and reports only what happened, under the checker's
+codes, at the user's file and line:
+
+- DDP112, ranks trained different weights: the parameters that optimizers stepped
+  differ between ranks when the group is destroyed (or at exit);
+- DDP101, a shuffling `DistributedSampler` iterated twice with the same epoch;
+- DDP103, one path written by `torch.save` from more than one rank;
+- DDP104, a `torch.save` of a state dict whose keys all start with `module.`, taken
+  from a DDP wrapper;
+- DDP105 (info), a DDP-wrapped model with BatchNorm layers that are not synchronised;
+- DDP107 (GPUs), `torch.load` on one rank returned tensors on another rank's GPU;
+- DDP109 (GPUs), an nccl group on a rank whose current GPU is not its local rank;
+- DDP111, the process group still alive at exit.
+
+The hooks cost a dictionary lookup per optimizer step and nothing per batch; the
+weights are hashed once, after training. Nothing synchronises the device or talks to
+the other ranks: the comparison happens in the supervisor, from the files.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpkit.findings import Finding, Severity, format_text, summary
+
+# Set by `ddpkit run --audit` for its workers.
+AUDIT_ENV = "DDPKIT_AUDIT"
+_LOG = "rank{rank}.audit.json"
+_SEVERITY = {
+    "DDP101": Severity.WARNING,
+    "DDP103": Severity.ERROR,
+    "DDP104": Severity.WARNING,
+    "DDP105": Severity.INFO,
+    "DDP107": Severity.WARNING,
+    "DDP109": Severity.ERROR,
+    "DDP111": Severity.WARNING,
+    "DDP112": Severity.ERROR,
+}
+# Frames of these are not the user's code: a finding points past them.
+_NOT_USER = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # ddpkit
+    os.path.dirname(os.__file__),  # the standard library (runpy, importlib)
+)
+
+Site = tuple[str, int]  # (absolute path, line)
+
+
+def _user_site() -> Site:
+    """The innermost frame of the user's code on the stack (file, line)."""
+    import torch
+
+    skipped = (*_NOT_USER, os.path.dirname(os.path.abspath(torch.__file__)))
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(skipped) and not path.startswith("<"):
+            return path, frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>", 0
+
+
+def _tensor_digest(tensor: Any) -> str:
+    """sha1 of a tensor's bytes, read through a zero-copy view (on the CPU)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return hashlib.sha1(flat.view(dtype=__import__("torch").uint8).numpy()).hexdigest()
+
+
+@dataclass
+class _Optimizer:
+    site: Site  # where its first step was taken
+    params: list[Any]
+
+
+@dataclass
+class _Recorder:
+    rank: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+    saves: list[dict[str, Any]] = field(default_factory=list)
+    optimizers: dict[int, _Optimizer] = field(default_factory=dict)
+    wrapped: set[int] = field(default_factory=set)  # ids of parameters inside a DDP
+    sharded: bool = False  # an FSDP model: its parameters differ between ranks by design
+    init_site: Site | None = None
+    digests: list[list[str]] | None = None
+    sampler_sites: dict[int, Site] = field(default_factory=dict)
+    sampler_epochs: dict[int, set[int]] = field(default_factory=dict)
+
+    def event(self, code: str, site: Site, message: str) -> None:
+        key = (code, site)
+        if any((e["code"], (e["path"], e["line"])) == key for e in self.events):
+            return
+        self.events.append({"code": code, "path": site[0], "line": site[1], "message": message})
+
+    # -- the hooks ------------------------------------------------------------------
+
+    def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self.optimizers:
+            return  # the cost of an audited step: this lookup
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.optimizers[id(optimizer)] = _Optimizer(_user_site(), params)
+
+    def on_ddp(self, module: Any) -> None:
+        import torch
+
+        site = _user_site()
+        self.wrapped.update(id(p) for p in module.parameters())
+        unsynced = [
+            type(m).__name__
+            for m in module.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+            and "Sync" not in type(m).__name__
+            and m.training
+            and m.track_running_stats
+        ]
+        if unsynced:
+            self.event(
+                "DDP105",
+                site,
+                f"the model wrapped here has {len(unsynced)} BatchNorm layer(s) "
+                f"({unsynced[0]}) that are not synchronised: each rank normalises with its "
+                "own batch statistics; convert them with "
+                "`torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)` if that matters",
+            )
+
+    def on_save(self, obj: Any, f: Any) -> None:
+        site = _user_site()
+        if isinstance(f, (str, os.PathLike)):
+            path = os.path.abspath(os.fspath(f))
+            self.saves.append({"path": path, "site": list(site)})
+        if self.wrapped and _wrapper_keys(obj):
+            self.event(
+                "DDP104",
+                site,
+                "the state dict saved here came from the DDP wrapper: every key starts with "
+                "`module.`, so it will not load into a plain model; save "
+                "`model.module.state_dict()` instead",
+            )
+
+    def on_load(self, result: Any) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        here = torch.cuda.current_device()
+        other = _foreign_device(result, here)
+        if other is not None:
+            self.event(
+                "DDP107",
+                _user_site(),
+                f"`torch.load` on rank {self.rank} put tensors on cuda:{other}, not on its "
+                f"own cuda:{here}: pass `map_location=f'cuda:{{local_rank}}'` (or 'cpu')",
+            )
+
+    def on_sampler(self, sampler: Any) -> None:
+        if not getattr(sampler, "shuffle", False):
+            return
+        epochs = self.sampler_epochs.setdefault(id(sampler), set())
+        epoch = int(getattr(sampler, "epoch", 0))
+        if epoch in epochs:
+            site = self.sampler_sites.get(id(sampler), _user_site())
+            self.event(
+                "DDP101",
+                site,
+                f"this DistributedSampler was iterated twice with epoch {epoch}: every pass "
+                "shuffles the same way; call `sampler.set_epoch(epoch)` at the start of each",
+            )
+        epochs.add(epoch)
+
+    def on_init(self, backend: Any) -> None:
+        import torch
+
+        self.init_site = _user_site()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if str(backend).lower() == "nccl" and torch.cuda.is_available():
+            current = torch.cuda.current_device()
+            if current != local:
+                self.event(
+                    "DDP109",
+                    self.init_site,
+                    f"the nccl group was created on rank {self.rank} with cuda:{current} as "
+                    f"its current device, not its local rank's cuda:{local}: call "
+                    "`torch.cuda.set_device(local_rank)` first",
+                )
+
+    def take_digests(self) -> None:
+        """The stepped parameters' digests, once training is over."""
+        if self.sharded:
+            self.digests = []
+            return
+        self.digests = [
+            [_tensor_digest(p) for p in opt.params if type(p).__name__ != "DTensor"]
+            for opt in self.optimizers.values()
+        ]
+
+    # -- the end -----------------------------------------------------------------------
+
+    def write(self, folder: Path) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and self.init_site is not None:
+            self.event(
+                "DDP111",
+                self.init_site,
+                "the process group created here was still alive when the script ended: call "
+                "`dist.destroy_process_group()` at the end (in a `finally:` block)",
+            )
+        if self.digests is None:
+            self.take_digests()
+        log = {
+            "rank": self.rank,
+            "events": self.events,
+            "saves": self.saves,
+            "optimizers": [
+                {
+                    "site": list(opt.site),
+                    "wrapped": all(id(p) in self.wrapped for p in opt.params),
+                    "digests": digests,
+                }
+                for opt, digests in zip(self.optimizers.values(), self.digests or [], strict=False)
+            ],
+        }
+        target = folder / _LOG.format(rank=self.rank)
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(json.dumps(log), encoding="utf-8")
+        temporary.replace(target)
+
+
+def _wrapper_keys(obj: Any, depth: int = 0) -> bool:
+    """A state dict (or one inside a checkpoint dict) whose keys all start with module."""
+    if not isinstance(obj, dict) or not obj or depth > 2:
+        return False
+    keys = list(obj)
+    if all(isinstance(k, str) for k in keys) and all(k.startswith("module.") for k in keys):
+        return True
+    return any(_wrapper_keys(v, depth + 1) for v in obj.values() if isinstance(v, dict))
+
+
+def _foreign_device(obj: Any, here: int, depth: int = 0) -> int | None:
+    """The index of a GPU other than `here` that a loaded tensor lies on, if any."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        device = obj.device
+        return device.index if device.type == "cuda" and device.index != here else None
+    if depth > 3:
+        return None
+    values = (
+        obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    )
+    for value in values:
+        found = _foreign_device(value, here, depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def install(rank: int) -> _Recorder:
+    """Put the hooks in place in this rank; `finish` writes what they saw."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.utils.data.distributed import DistributedSampler
+
+    recorder = _Recorder(rank)
+    register_optimizer_step_post_hook(recorder.on_step)
+
+    def after(cls: Any, name: str, hook: Any) -> None:
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            hook(self)
+            return result
+
+        setattr(cls, name, wrapper)
+
+    after(DistributedDataParallel, "__init__", recorder.on_ddp)
+    after(
+        DistributedSampler,
+        "__init__",
+        lambda s: recorder.sampler_sites.__setitem__(id(s), _user_site()),
+    )
+    original_iter = DistributedSampler.__iter__
+
+    @functools.wraps(original_iter)
+    def sampler_iter(self: Any) -> Any:
+        recorder.on_sampler(self)
+        return original_iter(self)
+
+    DistributedSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        after(FullyShardedDataParallel, "__init__", lambda _: setattr(recorder, "sharded", True))
+    except ImportError:  # pragma: no cover - every supported torch has it
+        pass
+
+    save, load = torch.save, torch.load
+
+    @functools.wraps(save)
+    def audited_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder.on_save(obj, f)
+        return save(obj, f, *args, **kwargs)
+
+    @functools.wraps(load)
+    def audited_load(*args: Any, **kwargs: Any) -> Any:
+        result = load(*args, **kwargs)
+        recorder.on_load(result)
+        return result
+
+    torch.save, torch.load = audited_save, audited_load
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+
+    @functools.wraps(init)
+    def audited_init(*args: Any, **kwargs: Any) -> Any:
+        result = init(*args, **kwargs)
+        recorder.on_init(dist.get_backend())
+        return result
+
+    @functools.wraps(destroy)
+    def audited_destroy(*args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs.get("group") and recorder.digests is None:
+            recorder.take_digests()  # training is over: the weights it ends with
+        return destroy(*args, **kwargs)
+
+    dist.init_process_group, dist.destroy_process_group = audited_init, audited_destroy
+    return recorder
+
+
+def finish(recorder: _Recorder, folder: Path) -> None:
+    """Write what this rank's hooks saw (at the end of the script, crashed or not)."""
+    try:
+        recorder.write(folder)
+    except Exception as exc:  # the audit never turns a finished job into a failed one
+        print(f"ddpkit: the audit of rank {recorder.rank} failed: {exc}", file=sys.stderr)
+
+
+# -- the supervisor's side ----------------------------------------------------------------
+
+
+def findings(folder: Path) -> list[Finding]:
+    """What the ranks' audit files show, as the checker's findings, sorted."""
+    logs = []
+    for file in sorted(folder.glob("rank*.audit.json")):
+        try:
+            logs.append(json.loads(file.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue  # a rank killed while it wrote: what the others saw still counts
+    logs.sort(key=lambda log: int(log["rank"]))
+    found: dict[tuple[str, str, int], Finding] = {}
+
+    def add(code: str, site: list[Any] | tuple[Any, ...], message: str) -> None:
+        key = (code, str(site[0]), int(site[1]))
+        if key not in found:
+            found[key] = Finding(str(site[0]), int(site[1]), 1, code, _SEVERITY[code], message)
+
+    for log in logs:
+        for e in log["events"]:
+            ranks = [str(other["rank"]) for other in logs if _has_event(other, e)]
+            add(
+                e["code"],
+                (e["path"], e["line"]),
+                f"{e['message']} (seen on rank {', '.join(ranks)})",
+            )
+    writers: dict[str, list[tuple[int, list[Any]]]] = {}
+    for log in logs:
+        for save in log["saves"]:
+            writers.setdefault(save["path"], []).append((int(log["rank"]), save["site"]))
+    for path, by in writers.items():
+        savers = sorted({rank for rank, _ in by})
+        if len(savers) > 1:
+            add(
+                "DDP103",
+                by[0][1],
+                f"ranks {', '.join(map(str, savers))} all wrote {path} here: the same file from "
+                "several processes at once (a torn or clobbered file); save on rank 0 only",
+            )
+    _compare_weights(logs, add)
+    return sorted(found.values())
+
+
+def report(found: list[Finding]) -> str:
+    """The block printed after an audited job: a summary line, then one line each."""
+    return f"ddpkit audit: {summary(found, None)}\n{format_text(found)}"
+
+
+def _has_event(log: dict[str, Any], event: dict[str, Any]) -> bool:
+    return any(
+        (e["code"], e["path"], e["line"]) == (event["code"], event["path"], event["line"])
+        for e in log["events"]
+    )
+
+
+def _compare_weights(logs: list[dict[str, Any]], add: Any) -> None:
+    """DDP112: the stepped parameters differ between ranks after training."""
+    if len(logs) < 2:
+        return
+    count = min(len(log["optimizers"]) for log in logs)
+    first = logs[0]
+    for i in range(count):
+        reference = first["optimizers"][i]
+        differ = [
+            log for log in logs[1:] if log["optimizers"][i]["digests"] != reference["digests"]
+        ]
+        if not differ:
+            continue
+        tensors = sum(
+            a != b
+            for a, b in zip(
+                reference["digests"], differ[0]["optimizers"][i]["digests"], strict=False
+            )
+        )
+        ranks = ", ".join(str(log["rank"]) for log in differ)
+        unwrapped = [str(log["rank"]) for log in logs if not log["optimizers"][i]["wrapped"]]
+        if unwrapped:
+            cause = (
+                f"no DistributedDataParallel wraps these parameters on rank "
+                f"{', '.join(unwrapped)}, so their gradients were never averaged (a path that "
+                "skips the DDP wrap, such as a CPU branch)"
+            )
+        else:
+            cause = (
+                "a rank-dependent update: a step, a change or a random draw made on some ranks only"
+            )
+        add(
+            "DDP112",
+            reference["site"],
+            f"the ranks trained different weights: after training, rank {ranks} holds "
+            f"{tensors} tensor(s) stepped by this optimizer that differ from rank 0's; likely "
+            f"cause: {cause}",
+        )
