@@ -366,7 +366,8 @@ def findings(folder: Path) -> list[Finding]:
     def add(code: str, site: list[Any] | tuple[Any, ...], message: str) -> None:
         key = (code, str(site[0]), int(site[1]))
         if key not in found:
-            found[key] = Finding(str(site[0]), int(site[1]), 1, code, _SEVERITY[code], message)
+            path = _shown(str(site[0]))
+            found[key] = Finding(path, int(site[1]), 1, code, _SEVERITY[code], message)
 
     for log in logs:
         for e in log["events"]:
@@ -386,7 +387,7 @@ def findings(folder: Path) -> list[Finding]:
             add(
                 "DDP103",
                 by[0][1],
-                f"ranks {', '.join(map(str, savers))} all wrote {path} here: the same file from "
+                f"ranks {', '.join(map(str, savers))} all wrote {_shown(path)} here: the same file from "
                 "several processes at once (a torn or clobbered file); save on rank 0 only",
             )
     _compare_weights(logs, add)
@@ -396,6 +397,12 @@ def findings(folder: Path) -> list[Finding]:
 def report(found: list[Finding]) -> str:
     """The block printed after an audited job: a summary line, then one line each."""
     return f"ddpkit audit: {summary(found, None)}\n{format_text(found)}"
+
+
+def _shown(path: str) -> str:
+    """A path as the user would write it: relative to this folder when inside it."""
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def _has_event(log: dict[str, Any], event: dict[str, Any]) -> bool:
