@@ -60,7 +60,8 @@ class Trainer:
             print("Loading snapshot")
             self._load_snapshot(snapshot_path)
 
-        self.model = DDP(self.model, device_ids=[self.gpu_id] if torch.cuda.is_available() else None)
+        device_ids = [self.gpu_id] if torch.cuda.is_available() else None
+        self.model = DDP(self.model, device_ids=device_ids)
 
     def _load_snapshot(self, snapshot_path: str) -> None:
         snapshot = torch.load(snapshot_path, map_location=self.device, weights_only=True)

@@ -164,7 +164,8 @@ def train(
         optimizer.step()  # audit: DDP112
         if i % args.print_freq == 0:
             elapsed = time.time() - end
-            print(f"Epoch: [{epoch}][{i}/{len(train_loader)}] Loss {loss.item():.4f} ({elapsed:.2f}s)")
+            progress = f"[{epoch}][{i}/{len(train_loader)}]"
+            print(f"Epoch: {progress} Loss {loss.item():.4f} ({elapsed:.2f}s)")
             end = time.time()
 
 

@@ -91,7 +91,6 @@ class _Recorder:
     saves: list[dict[str, Any]] = field(default_factory=list)
     optimizers: dict[int, _Optimizer] = field(default_factory=dict)
     wrapped: set[int] = field(default_factory=set)  # ids of parameters inside a DDP
-    sharded: bool = False  # an FSDP model: its parameters differ between ranks by design
     init_site: Site | None = None
     digests: list[list[str]] | None = None
     sampler_sites: dict[int, Site] = field(default_factory=dict)
@@ -163,11 +162,12 @@ class _Recorder:
                 f"own cuda:{here}: pass `map_location=f'cuda:{{local_rank}}'` (or 'cpu')",
             )
 
-    def on_sampler(self, sampler: Any) -> None:
+    def on_sampler_pass(self, sampler: Any, epoch: int) -> None:
+        """A whole pass over a sampler ended (a peek at one batch, as the DDP tutorial
+        takes to learn the batch size before `set_epoch`, is not a pass)."""
         if not getattr(sampler, "shuffle", False):
             return
         epochs = self.sampler_epochs.setdefault(id(sampler), set())
-        epoch = int(getattr(sampler, "epoch", 0))
         if epoch in epochs:
             site = self.sampler_sites.get(id(sampler), _user_site())
             self.event(
@@ -195,12 +195,11 @@ class _Recorder:
                 )
 
     def take_digests(self) -> None:
-        """The stepped parameters' digests, once training is over."""
-        if self.sharded:
-            self.digests = []
-            return
+        """The stepped parameters' digests, once training is over. Sharded parameters
+        (FSDP's: DTensors, flat parameters and the views into them) are left out: each
+        rank holds its own shard by design."""
         self.digests = [
-            [_tensor_digest(p) for p in opt.params if type(p).__name__ != "DTensor"]
+            [_tensor_digest(p) for p in opt.params if not _sharded(p)]
             for opt in self.optimizers.values()
         ]
 
@@ -235,6 +234,12 @@ class _Recorder:
         temporary = target.with_suffix(".tmp")
         temporary.write_text(json.dumps(log), encoding="utf-8")
         temporary.replace(target)
+
+
+def _sharded(param: Any) -> bool:
+    return type(param).__name__ in ("DTensor", "FlatParameter") or bool(
+        getattr(param, "_fsdp_flattened", False)
+    )
 
 
 def _wrapper_keys(obj: Any, depth: int = 0) -> bool:
@@ -298,17 +303,11 @@ def install(rank: int) -> _Recorder:
 
     @functools.wraps(original_iter)
     def sampler_iter(self: Any) -> Any:
-        recorder.on_sampler(self)
-        return original_iter(self)
+        epoch = int(getattr(self, "epoch", 0))
+        yield from original_iter(self)
+        recorder.on_sampler_pass(self, epoch)
 
     DistributedSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        after(FullyShardedDataParallel, "__init__", lambda _: setattr(recorder, "sharded", True))
-    except ImportError:  # pragma: no cover - every supported torch has it
-        pass
-
     save, load = torch.save, torch.load
 
     @functools.wraps(save)
@@ -335,6 +334,11 @@ def install(rank: int) -> _Recorder:
     def audited_destroy(*args: Any, **kwargs: Any) -> Any:
         if not args and not kwargs.get("group") and recorder.digests is None:
             recorder.take_digests()  # training is over: the weights it ends with
+            # ... and the audit lets go of them, so that they are freed when the script
+            # frees them, as without it: a gloo group freed later, from a frame's clean-up,
+            # can deadlock on the GIL with its own worker thread.
+            for optimizer in recorder.optimizers.values():
+                optimizer.params = []
         return destroy(*args, **kwargs)
 
     dist.init_process_group, dist.destroy_process_group = audited_init, audited_destroy
@@ -387,8 +391,9 @@ def findings(folder: Path) -> list[Finding]:
             add(
                 "DDP103",
                 by[0][1],
-                f"ranks {', '.join(map(str, savers))} all wrote {_shown(path)} here: the same file from "
-                "several processes at once (a torn or clobbered file); save on rank 0 only",
+                f"ranks {', '.join(map(str, savers))} all wrote {_shown(path)} here: the same "
+                "file from several processes at once (a torn or clobbered file); save on rank "
+                "0 only",
             )
     _compare_weights(logs, add)
     return sorted(found.values())

@@ -1,0 +1,202 @@
+"""`ddpkit run --audit`: real training scripts on 2 CPU ranks, each finding where marked.
+
+Every script in audit_scripts/ marks the line that the audit must report with a
+trailing `# audit: DDPnnn`; the clean_*.py scripts have no marker and must come out
+clean. All the scripts succeed, and a plain `--audit` never changes the exit status:
+only `--audit=strict` turns findings into exit status 3.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_cli
+
+SCRIPTS = Path(__file__).parent / "audit_scripts"
+_MARKER = re.compile(r"# audit: (DDP\d{3})\b")
+
+# The finding each faulty script is written to produce (a guard against a lost marker).
+FAULTY = {
+    "skips_ddp_wrap.py": "DDP112",
+    "no_set_epoch.py": "DDP101",
+    "save_every_rank.py": "DDP103",
+    "wrapper_state_dict.py": "DDP104",
+    "never_destroyed.py": "DDP111",
+}
+CLEAN = ("clean_tutorial.py", "clean_nanogpt.py")
+FIELDS = {"path", "line", "col", "code", "severity", "message"}
+
+
+def _markers(script: Path) -> set[tuple[str, int, str]]:
+    """(file name, line, code) of every `# audit: CODE` in `script`."""
+    return {
+        (script.name, number, match.group(1))
+        for number, line in enumerate(script.read_text().splitlines(), 1)
+        for match in _MARKER.finditer(line)
+    }
+
+
+def _audit(script: Path, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`ddpkit run --nproc 2 FLAGS SCRIPT` from `tmp_path`, the script's files there too.
+
+    A single-node `ddpkit run` serves its rendezvous on a port the OS picks, so runs at
+    the same time never collide; no MASTER_PORT is needed.
+    """
+    return run_cli(
+        "run",
+        "--nproc",
+        "2",
+        *flags,
+        str(script),
+        timeout=120,
+        env={"AUDIT_OUT": str(tmp_path), "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+
+
+def _findings(stdout: str) -> list[dict[str, Any]]:
+    """The JSON list of findings that `--audit --format json` prints last on stdout
+    (it may span lines; the ranks' own `[rank N] ...` lines come before it)."""
+    decoder = json.JSONDecoder()
+    starts = [0, *(match.end() for match in re.finditer("\n", stdout))]
+    for start in reversed(starts):
+        if not stdout.startswith("[", start):
+            continue
+        try:
+            value, end = decoder.raw_decode(stdout, start)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, list) and not stdout[end:].strip():
+            return value
+    pytest.fail(f"no JSON list of findings at the end of stdout:\n{stdout[-3000:]}")
+
+
+def test_every_script_marks_what_it_is_written_for() -> None:
+    assert sorted(p.name for p in SCRIPTS.glob("*.py")) == sorted([*FAULTY, *CLEAN])
+    for name, code in FAULTY.items():
+        assert [c for _, _, c in _markers(SCRIPTS / name)] == [code], name
+    for name in CLEAN:
+        text = (SCRIPTS / name).read_text()
+        assert _markers(SCRIPTS / name) == set(), name
+        assert "BatchNorm" not in text, f"{name}: an unsynchronised BatchNorm is DDP105"
+
+
+@pytest.mark.parametrize(
+    "name", [*FAULTY, *(pytest.param(name, marks=pytest.mark.slow) for name in CLEAN)]
+)
+def test_the_audit_reports_exactly_the_marked_lines(name: str, tmp_path: Path) -> None:
+    script = SCRIPTS / name
+    out = _audit(script, tmp_path, "--audit", "--format", "json")
+    assert out.returncode == 0, out.stderr[-3000:]  # the audit never changes it
+    found = _findings(out.stdout)
+    for finding in found:
+        assert set(finding) == FIELDS, finding
+        assert finding["severity"] in ("error", "warning", "info"), finding
+    got = {(Path(f["path"]).name, f["line"], f["code"]) for f in found}
+    expected = _markers(script)
+    details = json.dumps(found, indent=1)
+    assert got == expected, f"missing {sorted(expected - got)}, found:\n{details}"
+
+
+def test_a_strict_audit_with_a_finding_exits_3(tmp_path: Path) -> None:
+    script = SCRIPTS / "save_every_rank.py"
+    out = _audit(script, tmp_path, "--audit=strict")
+    assert out.returncode == 3, out.stderr[-3000:]
+    ((_, line, code),) = _markers(script)
+    where = re.compile(rf"save_every_rank\.py:{line}:\d+: {code} ")
+    assert where.search(out.stdout + out.stderr), out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "model.pt").is_file()  # the script itself ran to its end
+
+
+def test_without_audit_a_run_prints_no_findings(tmp_path: Path) -> None:
+    out = _audit(SCRIPTS / "save_every_rank.py", tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "DDP103" not in out.stdout + out.stderr
+    assert (tmp_path / "model.pt").is_file()
+
+
+def test_check_marks_what_an_audited_run_confirmed(tmp_path: Path) -> None:
+    script = SCRIPTS / "save_every_rank.py"
+    logs = tmp_path / "logs"
+    run = _audit(script, tmp_path, "--audit", "--log-dir", str(logs))
+    assert run.returncode == 0, run.stderr
+    checked = run_cli("check", "--audit-log", str(logs), str(script), cwd=tmp_path)
+    (line,) = [ln for ln in checked.stdout.splitlines() if " DDP103 " in ln]
+    assert line.startswith(f"{script}:62:") and line.endswith("[confirmed at run time]")
+    missing = run_cli("check", "--audit-log", str(tmp_path / "none"), str(script))
+    assert missing.returncode == 2 and "ddpkit run --audit --log-dir" in missing.stderr
+
+
+def _unwrapped_job(ctx: Any, path: str) -> None:
+    """Each rank trains its own copy on its own data (no DDP) and saves to one path."""
+    import torch
+
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    torch.save(model.state_dict(), path)
+
+
+def _wrapped_job(ctx: Any, path: str) -> None:
+    import torch
+
+    import ddpkit
+
+    model = ddpkit.prepare_model(torch.nn.Linear(4, 1), ctx)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+    if ctx.rank == 0:
+        torch.save(ddpkit.unwrap(model).state_dict(), path)
+
+
+def test_launch_audits_its_workers(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    import ddpkit
+
+    ddpkit.launch(_unwrapped_job, str(tmp_path / "m.pt"), nprocs=2, audit=True)
+    err = capfd.readouterr().err
+    assert "ddpkit audit: 2 findings (2 errors)" in err
+    codes = re.findall(r"test_audit\.py:(\d+):1: (DDP\d{3}) ", err)
+    assert [code for _, code in codes] == ["DDP112", "DDP103"]
+    ddpkit.launch(_wrapped_job, str(tmp_path / "w.pt"), nprocs=2, audit=True)
+    assert "ddpkit audit: no findings" in capfd.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["linear", "digits"])
+def test_ddpkits_own_examples_come_out_clean(example: str, tmp_path: Path) -> None:
+    run = run_cli(
+        "run",
+        "--nproc",
+        "2",
+        "--audit",
+        "-m",
+        "ddpkit",
+        "train",
+        "--example",
+        example,
+        "--epochs",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        timeout=300,
+        env={"OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "ddpkit audit: no findings" in run.stdout
