@@ -26,6 +26,7 @@ import pytest
 import ddpkit
 from ddpkit import cli
 from ddpkit.check.rules import RULES
+from ddpkit.cli.run import AUDIT_STRICT_EXIT
 from ddpkit.errors import ConfigError, HangError, Preempted, StoppedAtStart, WorkerError
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job
@@ -91,6 +92,7 @@ def test_exit_status_table_matches_the_code(
         "hung": _status_of(HangError("hung", "stacks"), monkeypatch),
         "Ctrl-C": _status_of(KeyboardInterrupt(), monkeypatch),
         "SIGTERM": sigterm.value.code,
+        "a strict audit found pitfalls": AUDIT_STRICT_EXIT,
     }
     capsys.readouterr()
     assert actual == {
@@ -103,6 +105,7 @@ def test_exit_status_table_matches_the_code(
         "hung": 124,
         "Ctrl-C": 130,
         "SIGTERM": 143,
+        "a strict audit found pitfalls": 3,
     }
     assert documented == set(actual.values())
 
