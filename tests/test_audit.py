@@ -200,3 +200,19 @@ def test_ddpkits_own_examples_come_out_clean(example: str, tmp_path: Path) -> No
     )
     assert run.returncode == 0, run.stderr
     assert "ddpkit audit: no findings" in run.stdout
+
+
+def test_a_run_that_ended_well_keeps_a_static_hang_a_warning(tmp_path: Path) -> None:
+    from ddpkit.findings import Finding, Severity, confirm, read_audit_log, write_audit_log
+
+    hang = Finding("t.py", 7, 5, "DDP106", Severity.ERROR, "`dist.barrier()` runs only on ...")
+    save = Finding("t.py", 9, 1, "DDP103", Severity.ERROR, "`torch.save` runs on every rank")
+    write_audit_log(tmp_path, [save], 0)
+    audited, status = read_audit_log(tmp_path)
+    kept_hang, kept_save = confirm([hang, save], audited, status)
+    assert kept_hang.severity is Severity.WARNING and "without a hang" in kept_hang.message
+    assert kept_save.severity is Severity.ERROR
+    assert kept_save.message.endswith("[confirmed at run time]")
+    # A run that hung (124) contradicts nothing.
+    (still,) = confirm([hang], [], 124)
+    assert still == hang
