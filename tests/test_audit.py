@@ -133,17 +133,24 @@ def test_check_marks_what_an_audited_run_confirmed(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "ddpkit run --audit --log-dir" in missing.stderr
 
 
+def _train(model: Any, rank: int) -> None:
+    """A few SGD steps on data of this rank's own."""
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+
+
 def _unwrapped_job(ctx: Any, path: str) -> None:
     """Each rank trains its own copy on its own data (no DDP) and saves to one path."""
     import torch
 
     model = torch.nn.Linear(4, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(ctx.rank)
-    for _ in range(3):
-        optimizer.zero_grad()
-        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
-        optimizer.step()
+    _train(model, ctx.rank)
     torch.save(model.state_dict(), path)
 
 
@@ -153,12 +160,7 @@ def _wrapped_job(ctx: Any, path: str) -> None:
     import ddpkit
 
     model = ddpkit.prepare_model(torch.nn.Linear(4, 1), ctx)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(ctx.rank)
-    for _ in range(3):
-        optimizer.zero_grad()
-        model(torch.randn(8, 4, generator=generator)).pow(2).mean().backward()
-        optimizer.step()
+    _train(model, ctx.rank)
     if ctx.rank == 0:
         torch.save(ddpkit.unwrap(model).state_dict(), path)
 
