@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.findings import Finding, Severity, format_text, summary
+from ddpkit.processes.watchdog import write_json
 
 # Set by `ddpkit run --audit` for its workers.
 AUDIT_ENV = "DDPKIT_AUDIT"
@@ -74,8 +75,10 @@ def _user_site() -> Site:
 
 def _tensor_digest(tensor: Any) -> str:
     """sha1 of a tensor's bytes, read through a zero-copy view (on the CPU)."""
+    import torch
+
     flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha1(flat.view(dtype=__import__("torch").uint8).numpy()).hexdigest()
+    return hashlib.sha1(flat.view(torch.uint8).numpy()).hexdigest()
 
 
 @dataclass
@@ -230,10 +233,7 @@ class _Recorder:
                 for opt, digests in zip(self.optimizers.values(), self.digests or [], strict=False)
             ],
         }
-        target = folder / _LOG.format(rank=self.rank)
-        temporary = target.with_suffix(".tmp")
-        temporary.write_text(json.dumps(log), encoding="utf-8")
-        temporary.replace(target)
+        write_json(folder / _LOG.format(rank=self.rank), log)
 
 
 def _sharded(param: Any) -> bool:

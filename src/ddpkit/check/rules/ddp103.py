@@ -98,10 +98,12 @@ def _item_names(fa: FileAnalysis, scope: Scope) -> set[str]:
         if loop.scope is not scope or not isinstance(node, (ast.For, ast.AsyncFor)):
             continue
         iterable = node.iter
-        while isinstance(iterable, ast.Call) and tail(iterable.func) in ("enumerate", "tqdm"):
-            iterable = iterable.args[0] if iterable.args else iterable
-            if not isinstance(iterable, ast.Call):
-                break
+        while (
+            isinstance(iterable, ast.Call)
+            and tail(iterable.func) in ("enumerate", "tqdm")
+            and iterable.args
+        ):
+            iterable = iterable.args[0]
         if isinstance(iterable, ast.Call) and tail(iterable.func) == "range":
             continue  # `for epoch in range(n)`: the same numbers on every rank
         names.update(n.id for n in ast.walk(node.target) if isinstance(n, ast.Name))
