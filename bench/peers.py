@@ -82,6 +82,7 @@ from tutorial import (
 )
 
 import ddpkit
+from ddpkit.processes.workers import exit_now
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "peers.json"
@@ -161,10 +162,8 @@ def worker(
     finally:
         dist.destroy_process_group()
     # Skip the interpreter's shutdown: gloo's threads can abort it (SIGABRT) after a
-    # clean run, as ddpkit's own workers avoid with `exit_now`.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # clean run, as ddpkit's own workers do.
+    exit_now(0)
 
 
 def throughput_launch(
