@@ -91,6 +91,10 @@ PEERS = {"accelerate": "accelerate", "fabric": "lightning_fabric"}  # contestant
 SYNCBN = "ddpkit+syncbn"  # only ddpkit can sync BatchNorm on CPU: its cost against plain BN
 BF16 = "ddpkit+bf16"  # gradients all-reduced in bfloat16 (grad_compression="bf16")
 VARIANTS = (SYNCBN, BF16)  # ddpkit's options, compared with ddpkit itself
+# Start-up launches only: one process alone, no launcher, no process group. No launcher's
+# rank reaches its first step sooner, so floor/hand is the lowest first-step ratio any
+# launcher could show.
+FLOOR = "floor"
 TARGET_HAND = 1.0  # ddpkit samples/s >= the hand-written loop's
 TARGET_PEER = 1.0  # ... and >= each peer's
 TARGET_FIRST_STEP = 0.5  # time to first step <= 0.5 x the hand-written loop's
@@ -241,11 +245,12 @@ def start_launch(contestant: str, workload: Workload, nprocs: int) -> dict[str, 
         ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
     # A non-zero exit after every rank reported (an abort at interpreter exit) is kept,
     # with its return code; a rank that never reported is an error.
-    if len(ranks) != nprocs:
+    expected = 1 if contestant == FLOOR else nprocs
+    if len(ranks) != expected:
         tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
         raise RuntimeError(
             f"{contestant} start-up launch ({' '.join(cmd)}) exited {proc.returncode} with "
-            f"{len(ranks)} of {nprocs} rank reports:\n{tail}"
+            f"{len(ranks)} of {expected} rank reports:\n{tail}"
         )
     ranks.sort(key=lambda r: r["rank"])
     first = ranks[0]["first_step_at"]
@@ -306,7 +311,7 @@ def run_all(
     for repeat in range(start_repeats):
         for w in start_workloads:
             for n in nprocs_list:
-                names = contestants_for(w, n, chosen)
+                names = contestants_for(w, n, chosen) + ([FLOOR] if "hand" in chosen else [])
                 for name in _order(names, repeat):  # alternate who goes first
                     records, foreign, attempt = measured(
                         functools.partial(_one_start, name, w, n),
@@ -399,14 +404,24 @@ def summarize_cell(runs: list[dict[str, Any]], starts: list[dict[str, Any]]) -> 
             ),
         }
         for other in names
-        if other not in ("ddpkit", *VARIANTS) and "ddpkit" in per
+        if other not in ("ddpkit", *VARIANTS, FLOOR) and "ddpkit" in per
     }
     for other, v in vs.items():
         v["paired_ratio_median"] = _median(v["paired_ratios"])
         v["cpu_ratio"] = _ratio(ours.get("cpu_us_per_sample"), per[other]["cpu_us_per_sample"])
     # What synchronising BatchNorm costs: plain BN's samples/s over synchronised BN's.
     sync_cost = _median(1 / r for r in _paired(runs, SYNCBN, "ddpkit"))
-    return {"contestants": per, "ddpkit_vs": vs, "syncbn_cost": sync_cost}
+    floor = per.get(FLOOR, {}).get("first_step_median")
+    start_floor = {
+        "floor_over_hand": _ratio(floor, per.get("hand", {}).get("first_step_median")),
+        "ddpkit_over_floor": _ratio(ours.get("first_step_median"), floor),
+    }
+    return {
+        "contestants": per,
+        "ddpkit_vs": vs,
+        "syncbn_cost": sync_cost,
+        "start_floor": start_floor if floor is not None else None,
+    }
 
 
 def summarize(runs: list[dict[str, Any]], starts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -431,8 +446,13 @@ def scaling(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     processes; their one-process job is ddpkit's (nothing to synchronise alone)."""
     out = []
     for w in dict.fromkeys(r["workload"] for r in rows):
-        mine = {r["nprocs"]: r["contestants"] for r in rows if r["workload"] == w}
-        if 1 not in mine or len(mine) < 2:
+        mine = {
+            r["nprocs"]: r["contestants"]
+            for r in rows
+            if r["workload"] == w
+            and any(c["median"] is not None for c in r["contestants"].values())
+        }
+        if 1 not in mine or len(mine) < 2:  # start-up launches only, or one process count
             continue
         n = max(mine)
         eff: dict[str, float | None] = {}
@@ -484,9 +504,11 @@ def _target(
 
 
 # -- tables -----------------------------------------------------------------------------
-def _names(rows: list[dict[str, Any]]) -> list[str]:
+def _names(rows: list[dict[str, Any]], floor: bool = False) -> list[str]:
+    """The contestants that ran, in the tables' order; with `floor`, the start-up floor
+    last (it has no throughput)."""
     seen = dict.fromkeys(n for r in rows for n in r["contestants"])
-    return [n for n in (*CONTESTANTS, *VARIANTS) if n in seen]
+    return [n for n in (*CONTESTANTS, *VARIANTS, *([FLOOR] if floor else [])) if n in seen]
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -542,7 +564,7 @@ def start_table(rows: list[dict[str, Any]], markdown: bool) -> str:
     for r in rows:
         cs = r["contestants"]
         ours = cs.get("ddpkit", {}).get("first_step_median")
-        for name in _names([r]):
+        for name in _names([r], floor=True):
             c = cs[name]
             if c["first_step_median"] is None:
                 continue
@@ -557,6 +579,22 @@ def start_table(rows: list[dict[str, Any]], markdown: bool) -> str:
                 ]
             )
     return _render(head, body, markdown, left=2)
+
+
+def floor_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """What the floor says of the first-step target, a line per cell that measured it."""
+    lines = []
+    for r in rows:
+        f = r.get("start_floor")
+        if f is None or f["floor_over_hand"] is None:
+            continue
+        ours = _num(f["ddpkit_over_floor"], ".2f")
+        lines.append(
+            f"- {r['workload']}/{r['nprocs']}: one process alone (the floor) reaches its first "
+            f"step at {f['floor_over_hand']:.2f} x the hand-written loop's time, the lowest "
+            f"ratio any launcher can show; ddpkit takes {ours} x the floor"
+        )
+    return ["Start-up floor:", *lines, ""] if lines else []
 
 
 def scaling_table(scale: list[dict[str, Any]], names: list[str], markdown: bool) -> str:
@@ -575,6 +613,8 @@ def check_lines(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         n, where = row["nprocs"], f"{row['workload']}/{row['nprocs']}"
         for name, c in row["contestants"].items():
+            if name == FLOOR:  # one process by design
+                continue
             if c["world_sizes"] and c["world_sizes"] != [n]:
                 problems.append(f"{where} {name}: saw world size(s) {c['world_sizes']}, not {n}")
             if n > 1 and c["ddp"] and c["ddp"] != [True]:
@@ -582,7 +622,8 @@ def check_lines(rows: list[dict[str, Any]]) -> list[str]:
             if not c["ranks_agree"]:
                 problems.append(f"{where} {name}: ranks ended with different models")
             same_order = name in ("ddpkit", "fabric") if n > 1 else name == "ddpkit"
-            if same_order and "hand" in row["contestants"] and not c["same_model_as_hand"]:
+            trained = c["median"] is not None and row["contestants"].get("hand", {}).get("median")
+            if same_order and trained and not c["same_model_as_hand"]:
                 problems.append(f"{where} {name}: not the hand-written loop's model")
     return problems
 
@@ -602,6 +643,7 @@ def report(
         "step; peak RSS of the largest rank after one epoch",
         start_table(rows, markdown),
         "",
+        *floor_lines(rows),
         "Scaling efficiency: samples/s with N processes / (N x samples/s with one)",
         scaling_table(scale, names, markdown),
         "",

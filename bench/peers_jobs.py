@@ -12,6 +12,8 @@
 - `fabric`: `Fabric(accelerator="cpu", devices=N, strategy="ddp")` (one device:
   `strategy="auto"`), `fabric.launch()`, `fabric.setup(model, optimizer)`,
   `fabric.setup_dataloaders(loader)`, `fabric.backward(loss)` (Lightning's docs).
+- `floor` (start-up launches only): one process alone, no launcher and no process
+  group, the least work any rank does before its first step.
 
 Every contestant trains the same model from the same seed with the same per-rank batch
 size, and is timed the same way: the summed time of the epochs' batch loops.
@@ -20,7 +22,7 @@ Run as a script, this module is what one start-up launch of `peers.py` runs, sta
 the way each contestant's docs start a job (the parent times it from just before it
 starts the command):
 
-    python bench/peers_jobs.py hand|ddpkit|ddpkit+syncbn|fabric WORKLOAD NPROCS OUTDIR EPOCHS
+    python bench/peers_jobs.py hand|ddpkit|ddpkit+syncbn|fabric|floor WORKLOAD NPROCS OUTDIR EPOCHS
     accelerate launch --multi_gpu --num_processes 2 bench/peers_jobs.py accelerate ...
 
 Each rank writes OUTDIR/rank<R>.json: the wall-clock time of its first optimizer step,
@@ -45,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 from tutorial import (
     WORKLOADS,
     TutorialTrainer,
@@ -258,6 +260,30 @@ def train_fabric(
     return Run("fabric", round, samples, train_s, wall_s, digest(bare), world, ddp, cpu_s)
 
 
+def train_floor(
+    workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
+) -> Run:
+    """The least any rank does before its first step, whoever launched it: this process
+    alone, with no launcher and no process group, builds the job and trains one rank's
+    share of the samples (1/`world_size`) with the hand-written loop's steps. Its time to
+    first step is the floor of every contestant's: one interpreter's imports (torch, then
+    `torch._dynamo`, which the optimizer's constructor loads), the objects, one step."""
+    dataset, model, optimizer = load_train_objs(workload)
+    _on_first_step(optimizer, first_step)
+    share = Subset(dataset, range(len(dataset) // world_size))  # type: ignore[arg-type]
+    loader = DataLoader(share, batch_size=workload.batch_size, shuffle=False)
+    criterion = loss_fn(workload)
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(workload.epochs):
+        for inputs, targets in loader:
+            optimizer.zero_grad()
+            criterion(model(inputs), targets).backward()
+            optimizer.step()
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
+    samples = len(share) * workload.epochs
+    return Run("floor", round, samples, wall_s, wall_s, digest(model), 1, False, cpu_s)
+
+
 TRAIN: dict[str, Train] = {
     "hand": train_hand,
     "ddpkit": train_ddpkit,
@@ -265,6 +291,7 @@ TRAIN: dict[str, Train] = {
     "fabric": train_fabric,
     "ddpkit+syncbn": train_ddpkit_syncbn,
     "ddpkit+bf16": train_ddpkit_bf16,
+    "floor": train_floor,
 }
 
 
@@ -325,7 +352,7 @@ def start(contestant: str, workload: Workload, nprocs: int, out: Path) -> None:
         import ddpkit
 
         ddpkit.launch(_ddpkit_rank, contestant, workload, str(out), nprocs=nprocs)
-    else:  # accelerate (under `accelerate launch`) or fabric (which launches itself)
+    else:  # accelerate (under `accelerate launch`), fabric (which launches itself), floor
         quiet_peers()
         _timed(contestant, workload, nprocs, out)
 

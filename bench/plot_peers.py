@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from matplotlib.ticker import FuncFormatter
-from peers import BF16, CONTESTANTS, SYNCBN, VARIANTS
+from peers import BF16, CONTESTANTS, FLOOR, SYNCBN, VARIANTS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -30,13 +30,14 @@ COLORS = {
     "fabric": "#9467bd",
     SYNCBN: "#aec7e8",
     BF16: "#17becf",
+    FLOOR: "#d9d9d9",  # start-up only: one process alone, no launcher
 }
 WIDTH = 0.8  # of one group of bars
 
 
 def _bars(ax: Axes, groups: list[str], values: dict[str, list[float | None]]) -> None:
     """Grouped bars: one group per x label, one bar per contestant that has a value."""
-    names = [n for n in ORDER if n in values]
+    names = [n for n in (*ORDER, FLOOR) if n in values]
     step = WIDTH / len(names)
     for i, name in enumerate(names):
         label: str | None = name  # on the first bar drawn only: one legend entry
@@ -77,7 +78,7 @@ def _start_panel(ax: Axes, rows: list[dict[str, Any]]) -> bool:
     mine = [r for r in rows if any(c["first_step_median"] for c in r["contestants"].values())]
     if not mine:
         return False
-    names = [n for n in ORDER if any(n in r["contestants"] for r in mine)]
+    names = [n for n in (*ORDER, FLOOR) if any(n in r["contestants"] for r in mine)]
     values = {
         n: [r["contestants"].get(n, {}).get("first_step_median") for r in mine] for n in names
     }

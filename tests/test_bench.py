@@ -71,7 +71,7 @@ def _start(n: int, who: str, first_step_s: float, rss: list[float]) -> Any:
         "contestant": who,
         "first_step_s": first_step_s,
         "peak_rss_mb": rss,
-        "world_sizes": [n] * len(rss),
+        "world_sizes": [1 if who == "floor" else n] * len(rss),
         "foreign_load": 0.0,
     }
 
@@ -113,6 +113,7 @@ def _made_up() -> tuple[list[Any], list[Any]]:
         _start(2, "ddpkit", 3.3, [296.0, 298.0]),
         _start(2, "accelerate", 3.2, [310.0, 309.0]),
         _start(2, "fabric", 4.4, [320.0, 312.0]),
+        _start(2, "floor", 2.2, [250.0]),  # one process alone: the least any rank does
     ]
     return runs, starts
 
@@ -159,6 +160,32 @@ def test_peers_summary_ratios_scaling_and_targets(peers: ModuleType) -> None:
     )
     assert "| linear | ddpkit | 1 | 2.00 | 1.00 | 290 |" in text
     assert "- linear/1 samples/s vs fabric: 0.933 (need >= 1.0) MISSED" in text
+
+    # The floor: start-up only, never a contestant ddpkit is judged against, and one
+    # process by design (no world-size complaint above).
+    assert rows[0]["start_floor"] is None and "floor" not in rows[1]["ddpkit_vs"]
+    assert rows[1]["start_floor"] == pytest.approx(
+        {"floor_over_hand": 2.2 / 3.4, "ddpkit_over_floor": 3.3 / 2.2}
+    )
+    assert "| linear | floor | 2 | 2.20 | 0.67 | 250 |" in text
+    assert "- linear/2: one process alone (the floor) reaches its first step at 0.65 x" in text
+    assert "ddpkit takes 1.50 x the floor" in text
+    assert "floor" not in text.split("| workload | contestant")[0]  # not in the rate table
+
+
+def test_peers_a_workload_with_start_up_launches_only_is_no_failed_check(
+    peers: ModuleType,
+) -> None:
+    # The default run times start-ups on cnn alone; a cell without throughput runs has
+    # no model digests to compare and no scaling.
+    starts = [
+        {**_start(n, who, 2.0, [300.0] * n), "workload": "cnn"}
+        for n in (1, 2)
+        for who in ("hand", "ddpkit")
+    ]
+    rows = peers.summarize([], starts)
+    assert peers.check_lines(rows) == []
+    assert peers.scaling(rows) == []
 
 
 def test_peers_syncbn_cost_and_mlp_scaling_targets(peers: ModuleType) -> None:
@@ -222,6 +249,9 @@ def test_peers_smoke_run_of_one_cell(tmp_path: Path) -> None:
         assert c["median"] > 0 and c["world_sizes"] == [2] and c["ddp"] == [True]
         assert c["ranks_agree"] and c["first_step_median"] > 0 and c["peak_rss_median"] > 50
     assert ours["same_model_as_hand"]  # same data order, same math: the same model
+    floor = row["contestants"]["floor"]  # one process alone: start-up only
+    assert floor["world_sizes"] == [1] and floor["first_step_median"] > 0
+    assert row["start_floor"]["floor_over_hand"] > 0
     assert row["ddpkit_vs"]["hand"]["ratio"] == pytest.approx(ours["median"] / hand["median"])
     assert "Checks: all contestants ran what they should" in proc.stdout
 
