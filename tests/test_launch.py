@@ -243,6 +243,48 @@ def test_workers_are_forked_while_that_is_safe_and_spawned_otherwise(tmp_path: P
     ]
 
 
+_QUICK_JOBS = textwrap.dedent(
+    """
+    import sys
+    import ddpkit
+    from ddpkit.errors import WorkerError
+
+    def at_once(ctx):
+        return ctx.rank
+
+    if __name__ == "__main__":
+        failed = []
+        for _ in range(int(sys.argv[1])):
+            try:
+                ddpkit.launch(at_once, nprocs=2)
+            except WorkerError as exc:
+                failed.append(str(exc).splitlines()[0])
+        print(len(failed), *failed[:1], sep="\\n")
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_rank_that_returns_at_once_never_breaks_the_others_join(tmp_path: Path) -> None:
+    # gloo's group constructor is no barrier: a rank whose function returned at once
+    # could exit while the other rank was still finishing its handshake with it, and
+    # that rank then failed with "Connection closed by peer" (once in a CI run; here 8
+    # launches in 200 with the CPUs busy). Busy CPUs widen the window.
+    script = tmp_path / "quick.py"
+    script.write_text(_QUICK_JOBS)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(6)]
+    try:
+        out = subprocess.run(
+            [sys.executable, str(script), "200"], capture_output=True, text=True, timeout=300
+        )
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[0] == "0", out.stdout
+
+
 _SCRIPT = textwrap.dedent(
     """
     import os, sys, time

@@ -4,6 +4,7 @@ cleanly or after a failure."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import Any, Literal
@@ -19,6 +20,9 @@ log = logging.getLogger("ddpkit")
 # Groups that destroy_group() took out of service but keeps alive; see there.
 _retired: list[Any] = []
 _GLOO_TEARDOWN_RACE = release(torch.__version__) < (2, 8)
+# torch reads it each time it creates a group (init_process_group, new_group): "1" adds
+# a barrier on the store after the group is made.
+_INIT_BARRIER = "TORCH_DIST_INIT_BARRIER"
 
 
 def device_for(backend: str, local_rank: int) -> torch.device:
@@ -35,10 +39,21 @@ def device_for(backend: str, local_rank: int) -> torch.device:
 def init_group(
     backend: str, rank: int, world: int, device: torch.device, timeout_s: float, **how: Any
 ) -> None:
-    """Join the job's group (`how`: its store or init_method), bound to `device` on a GPU."""
+    """Join the job's group (`how`: its store or init_method), bound to `device` on a GPU.
+
+    Returns only once every rank has joined. gloo's group constructor returns on a
+    rank as soon as its side of each connection is made: a rank with little to do
+    could finish and exit while another was still completing its handshake with it,
+    which then failed with "Connection closed by peer" (8 launches in 200 of a
+    function that returns at once, with the CPUs busy). torch's own switch for a
+    barrier after each group's creation, a store round trip, is turned on for this
+    rank's groups unless the environment says otherwise.
+    """
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout_s), **how}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    if world > 1:
+        os.environ.setdefault(_INIT_BARRIER, "1")
     dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
 
 
