@@ -182,3 +182,42 @@ def test_bad_config_file_and_job_are_one_clear_line(tmp_path: Path) -> None:
 def test_digits_in_bf16_still_reaches_95_percent() -> None:
     out = _result(run_cli("train", "--precision", "bf16", "--json"))
     assert out["test_accuracy"] >= 0.95
+
+
+LEAVES_AFTER_EPOCH_1 = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+import ddpkit
+
+
+class LeaveOnRank1(ddpkit.Callback):
+    def on_epoch_end(self, trainer, epoch, metrics):
+        if trainer.ctx.rank == 1:
+            sys.exit(0)  # a "done" that only this rank believes
+
+
+def build(ctx):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 6, generator=g)
+    y = x[:, :2].sum(1, keepdim=True)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.1), nn.Tanh(), nn.Linear(12, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return ddpkit.Job(model=model, optimizer=opt, train_set=TensorDataset(x, y),
+                      loss_fn=nn.functional.mse_loss, callbacks=[LeaveOnRank1()])
+"""
+
+
+def test_a_rank_that_exits_0_early_is_named_first(tmp_path: Path) -> None:
+    # Rank 1 leaves after epoch 1; rank 0 waits for it in DDP's gradient all-reduce,
+    # which gloo fails ("Connection closed by peer"). That error is a consequence: the
+    # first line must name the rank that left, not blame rank 0.
+    job = tmp_path / "leaves.py"
+    job.write_text(LEAVES_AFTER_EPOCH_1)
+    out = run_cli("train", "--job", f"{job}:build", "--nproc", "2", "--epochs", "3")
+    assert out.returncode == 124, out.stderr
+    first = next(ln for ln in out.stderr.splitlines() if ln.startswith("ddpkit:"))
+    assert first.startswith("ddpkit: the job is hung: rank 1 ended while rank 0 waited"), first
+    assert "rank 1: ended (returned, or exited with code 0)" in out.stderr
+    assert "ddpkit: error: rank 0 raised" not in out.stderr

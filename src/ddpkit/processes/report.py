@@ -58,20 +58,28 @@ def left_early(
     only because their sockets closed (gloo: "Connection closed by peer"). None when a
     failure is of its own (the rank that failed is then the cause).
 
-    `failed`: rank -> (the error's message, `waited_in` of it: the call and the line).
+    `failed`: rank -> (the error's message, `waited_in` of it: the call and the line;
+    None for a collective that torch makes itself, out of C++: DDP's gradient
+    all-reduce inside `backward()`, its start-up checks in `DDP(...)`).
     """
     if not ended or not failed:
         return None
-    if any(where is None or not is_peer_lost(msg) for msg, where in failed.values()):
+    if any(not is_peer_lost(msg) for msg, _ in failed.values()):
         return None
-    waits = {rank: where for rank, (_, where) in failed.items() if where is not None}
     lines = [
-        f"ddpkit: the job is hung: {_ranks(ended)} ended while {_ranks(list(waits))} waited "
+        f"ddpkit: the job is hung: {_ranks(ended)} ended while {_ranks(list(failed))} waited "
         "in a collective. Where each rank is:"
     ]
-    for rank in sorted([*ended, *waits]):
-        if rank in waits:
-            lines.append(f"  rank {rank}: in {waits[rank]['name']} at {waits[rank]['where']}")
+    for rank in sorted([*ended, *failed]):
+        where = failed[rank][1] if rank in failed else None
+        if where is not None:
+            lines.append(f"  rank {rank}: in {where['name']} at {where['where']}")
+        elif rank in failed:
+            lines.append(
+                f"  rank {rank}: in a collective that torch makes itself (DDP's gradient "
+                "all-reduce in backward(), or its checks in DDP(...)): its traceback below "
+                "shows the line"
+            )
         else:
             lines.append(f"  rank {rank}: ended (returned, or exited with code 0)")
     lines.append(
