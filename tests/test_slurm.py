@@ -86,3 +86,53 @@ def test_srun_ddpkit_run_on_two_nodes_needs_no_flags(tmp_path: Path) -> None:
         assert proc.returncode == 0, err
     assert "world 2 ranks [0, 1]" in outs[0][0] + outs[1][0]
     assert "node 1 of 2, rendezvous at 127.0.0.1:" in outs[1][1]
+
+
+# What an sbatch batch script sees: the job's variables, but no step's (no srun ran).
+BATCH_SCRIPT_ENV = {
+    "SLURM_JOB_ID": "4243",
+    "SLURM_JOBID": "4243",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_NODELIST": "gpu[01-02]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_NTASKS": "8",
+    "SLURMD_NODENAME": "gpu01",
+}
+
+
+def test_a_batch_script_without_srun_is_no_step() -> None:
+    # `ddpkit run train.py` straight in an sbatch script runs on the node it is on, as
+    # on a plain machine: the job's node list and tasks per node describe no step.
+    assert slurm_step(BATCH_SCRIPT_ENV) is None
+    one_task = {**BATCH_SCRIPT_ENV, "SLURM_TASKS_PER_NODE": "1(x2)"}
+    assert slurm_step(one_task) is None  # would wait forever for a node 1 never started
+    # srun in that script: the step's own variables, not the job's, decide.
+    step = {
+        **BATCH_SCRIPT_ENV,
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NODELIST": "gpu02",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+        "SLURMD_NODENAME": "gpu02",
+    }
+    assert slurm_step(step) == SlurmStep(1, 0, "gpu02", 20000 + 4243)
+
+
+def test_ddpkit_run_in_a_batch_script_runs_as_on_one_machine(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)],
+        env={**os.environ, **BATCH_SCRIPT_ENV},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "world 2 ranks [0, 1]" in proc.stdout
+    assert "srun" not in proc.stderr and "SLURM" not in proc.stderr

@@ -31,15 +31,20 @@ class SlurmStep:
 def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
     """The step this process is a task of, or None outside srun.
 
+    An sbatch script that runs `ddpkit run` itself, without srun, is no step: it has
+    the job's variables (its nodes, SLURM_TASKS_PER_NODE for the tasks it may start)
+    but none of a step's, and runs on its one node as on a plain machine.
+
     Raises:
         ConfigError: srun started more than one task on a node.
     """
     if "SLURM_JOB_ID" not in env or "SLURM_NODEID" not in env:
         return None
-    nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", ""))
+    # Set by srun for each task of a step, never in the batch script itself.
+    nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST", ""))
     if not nodes:
         return None
-    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE", "1")
     if any(count != "1" for count in re.findall(r"(\d+)(?:\(x\d+\))?", per_node)):
         raise ConfigError(
             f"srun started {per_node} task(s) per node, but ddpkit run starts the workers of "
