@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset, WeightedRandomSampler
+from torch.utils.data import DataLoader, Dataset, TensorDataset, WeightedRandomSampler
 
 import ddpkit
 from ddpkit import DistContext, TrainConfig, launch
@@ -208,3 +208,65 @@ def test_a_dataloader_ddpkit_cannot_shard_is_refused_with_the_fix() -> None:
         ddpkit.prepare_loader(data, ctx)
     ordered = ddpkit.prepare_loader(DataLoader(data, batch_size=2), ctx)
     assert next(b[0].tolist() for b in ordered) == [0.0, 0.0]  # SequentialSampler: no shuffle
+
+
+class _NestedTargets(Dataset[Any]):
+    """13 samples `(x, (y, y_aux))`, or `(x, {"y": y, "aux": y_aux})` with `as_dict`:
+    targets nested in a tuple or dict, as multi-task jobs have them."""
+
+    def __init__(self, as_dict: bool, n: int = 13) -> None:
+        g = torch.Generator().manual_seed(4)
+        self.x, self.y = torch.randn(n, 3, generator=g), torch.randn(n, 1, generator=g)
+        self.aux = torch.randn(n, generator=g)
+        self.as_dict = as_dict
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        y, aux = self.y[i], self.aux[i]
+        return self.x[i], ({"y": y, "aux": aux} if self.as_dict else (y, aux))
+
+
+def _two_headed_loss(outputs: torch.Tensor, targets: Any) -> torch.Tensor:
+    y, aux = (targets["y"], targets["aux"]) if isinstance(targets, dict) else targets
+    return nn.functional.mse_loss(outputs, y) + 0.5 * nn.functional.mse_loss(outputs[:, 0], aux)
+
+
+def _nested_eval(ctx: DistContext, as_dict: bool) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 1))
+    data = _NestedTargets(as_dict)
+    config = TrainConfig(epochs=1, batch_size=4, progress=False)
+    trainer = ddpkit.Trainer(
+        model, torch.optim.AdamW(model.parameters()), data, ctx, config,
+        loss_fn=_two_headed_loss, eval_set=data,
+    )  # fmt: skip
+    return trainer.evaluate()
+
+
+def test_nested_targets_count_their_samples_once() -> None:
+    x, y, aux = torch.zeros(5, 2), torch.zeros(5, 1), torch.zeros(5)
+    assert count_samples((x, (y, aux))) == 5  # not the 2 targets
+    assert count_samples([x, [y, aux]]) == 5  # as default_collate returns it
+    assert count_samples((x, {"y": y, "aux": aux})) == 5
+    assert count_samples(({"ids": torch.zeros(3, 7)}, torch.zeros(3))) == 3
+    assert count_samples((["some", "text"], torch.zeros(2))) == 2  # the first tensor
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_eval_over_nested_targets_counts_each_sample_once_on_two_ranks(as_dict: bool) -> None:
+    metrics = launch(_nested_eval, as_dict, nprocs=2)
+    data = _NestedTargets(as_dict)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 1)).eval()
+    with torch.no_grad():  # the mean over the samples, each once
+        losses = [_two_headed_loss(model(x[None]), _batch_of_one(t)) for x, t in data]
+    assert metrics["eval_samples"] == 13
+    assert metrics["eval_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
+
+
+def _batch_of_one(targets: Any) -> Any:
+    if isinstance(targets, dict):
+        return {k: v[None] for k, v in targets.items()}
+    return tuple(t[None] for t in targets)

@@ -52,10 +52,9 @@ def map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def count_samples(batch: Any) -> int:
-    """Samples in `batch`: the length of its targets for an `(inputs, targets)` pair,
-    else the first dimension of the first tensor found in it."""
-    if is_pair(batch):
-        return len(batch[1])
+    """Samples in `batch`: the first dimension of the first tensor found in it, depth
+    first (of an `(inputs, targets)` pair, the inputs' tensor; targets nested in a tuple
+    or dict, `(x, (y, y_aux))`, are not counted as samples)."""
     tensor = _first_tensor(batch)
     if tensor is None or tensor.ndim == 0:
         raise ConfigError(
