@@ -25,6 +25,7 @@ from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import build_job
 from tests.conftest import run_cli
 from tests.matrix_jobs import _compare, held_state
+from tests.test_trainer_features import assert_same_best
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -164,6 +165,8 @@ def test_a_run_by_steps_resumes_exactly_after_a_signal(tmp_path: Path) -> None:
     resumed = ddpkit.launch(_gpt, str(tmp_path), "resume", 0, nprocs=2)
     assert resumed["step"] == 40
     assert resumed["compare"] == {"ranks": [], "resume": []}
+    # keep_best: the resumed run kept the straight run's best evaluation, bit for bit.
+    assert assert_same_best(straight / "ck", tmp_path / "ck") % 8 == 0
 
 
 # -- data that never ends ----------------------------------------------------------------

@@ -378,3 +378,93 @@ def test_per_rank_batchnorm_ends_with_the_same_buffers_on_every_rank(strategy: s
     ranks = launch(_fit_batchnorm, strategy, nprocs=2)
     assert len(ranks[0]) == 3  # running mean, variance and the batch count
     assert all(torch.equal(a, b) for a, b in zip(ranks[0], ranks[1], strict=True))
+
+
+# -- keep_best after a resume (issue 43, D01) -------------------------------------------
+# The watched metric by progress (epochs done, or steps): best at 2, then worse than that
+# but better than the best before it, which a resumed run must not take for the best.
+_SCORES = {1: 0.5, 2: 0.3, 3: 0.4, 4: 0.35}
+
+
+class _CrashAt(Callback):
+    """Ends the run as a crash would, at the start of epoch (by epochs) or after step
+    (by steps) `at`, before anything of it is saved."""
+
+    def __init__(self, at: int | None, by_steps: bool) -> None:
+        self.at, self.by_steps = at, by_steps
+
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+        if not self.by_steps and epoch == self.at:
+            raise RuntimeError(f"crashed at epoch {epoch}")
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        if self.by_steps and step == self.at:
+            raise RuntimeError(f"crashed after step {step}")
+
+
+def _fit_keeping_best(ctx: DistContext, folder: str, by_steps: bool, crash: int | None) -> Any:
+    """4 epochs (or 8 steps, evaluated and saved every 2) keeping the best `eval_err`;
+    rank 0 returns the values it announced as the best so far."""
+    seed_everything(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Tanh(), nn.Linear(16, 1))
+    progress: list[Trainer] = []
+
+    def err(net: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        done = progress[0].global_step // 2 if by_steps else progress[0].epoch
+        return {"err": torch.tensor(_SCORES[done])}
+
+    by = {"max_steps": 8, "eval_every_steps": 2, "save_every_steps": 2} if by_steps else {}
+    config = TrainConfig(
+        epochs=None if by_steps else 4,
+        batch_size=4,
+        checkpoint_dir=folder,
+        keep_best="eval_err",
+        keep_last=10,
+        resume=crash is None,
+        **by,
+    )
+    said: list[str] = []
+    trainer = Trainer(
+        model,
+        lambda params: torch.optim.AdamW(params, lr=1e-2),
+        _data(96),
+        ctx,
+        config,
+        loss_fn=nn.functional.mse_loss,
+        eval_set=_data(10),
+        metrics_fn=err,
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7),
+        callbacks=[_CrashAt(crash, by_steps)],
+        log_fn=said.append,
+    )
+    progress.append(trainer)
+    trainer.fit()
+    return [float(s.split()[1]) for s in said if "is the best so far" in s]
+
+
+@pytest.mark.parametrize("by_steps", [False, True], ids=["by-epochs", "by-steps"])
+def test_keep_best_after_a_resume_never_takes_a_worse_checkpoint(
+    tmp_path: Path, by_steps: bool
+) -> None:
+    straight, cut = str(tmp_path / "straight"), str(tmp_path / "cut")
+    kept = launch(_fit_keeping_best, straight, by_steps, None, nprocs=2)
+    assert kept == [0.5, 0.3]  # the best is kept at 2 (epochs or evaluations) of 4
+    # Crashed after 2 (a step or epoch that was the best so far, saved), then resumed.
+    with pytest.raises((WorkerError, RuntimeError), match="crashed"):
+        launch(_fit_keeping_best, cut, by_steps, 5 if by_steps else 2, nprocs=2)
+    again = launch(_fit_keeping_best, cut, by_steps, None, nprocs=2)
+    assert again == []  # 0.4 and 0.35 are worse than 0.3: nothing is the best so far
+    assert assert_same_best(Path(straight), Path(cut)) == (4 if by_steps else 2 * 12)
+
+
+def assert_same_best(straight: Path, resumed: Path) -> int:
+    """Assert that best.pt in the two checkpoint folders holds the same step, best value
+    and model tensors; return that step."""
+    a = torch.load(straight / "best.pt", weights_only=True)
+    b = torch.load(resumed / "best.pt", weights_only=True)
+    assert b["global_step"] == a["global_step"]
+    assert b["extra"]["best"] == a["extra"]["best"]
+    assert a["model"].keys() == b["model"].keys()
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    return int(a["global_step"])

@@ -415,12 +415,14 @@ class Trainer:
                 runlog.write("epoch", self.global_step, {"epoch": epoch + 1, **metrics})
                 self._log_epoch(epoch, seconds, metrics)
                 self._call("on_epoch_end", epoch, metrics)
+                improved = self._new_best(metrics)  # before the checkpoint that keeps it
                 last = self._done()
                 if cfg.checkpoint_dir and (
                     last or (whole and cfg.save_every and self.epoch % cfg.save_every == 0)
                 ):
                     self.save()
-                self._keep_best(metrics)
+                if improved:
+                    self._keep_best()
                 if last:
                     break
             if self._vote is not None:
@@ -613,18 +615,24 @@ class Trainer:
         if self.callbacks:
             self._call("on_step_end", self.global_step)
         cfg = self.config
+        # Evaluated before this step's checkpoint, so that the checkpoint holds the best
+        # (and every callback's state) as of this evaluation: a resume from it goes on
+        # from there, and never takes a worse step for the best.
+        every = cfg.eval_every_steps
+        improved = False
+        if every and self.eval_loader is not None and self.global_step % every == 0:
+            metrics = self._evaluate_once()
+            runlog.write("eval", self.global_step, {"epoch": epoch, **metrics})
+            self.say(" | ".join([f"step {self.global_step}", *_eval_parts(metrics)]))
+            improved = self._new_best(metrics)
         if (
             cfg.save_every_steps
             and cfg.checkpoint_dir
             and self.global_step % cfg.save_every_steps == 0
         ):
             self.save()  # every rank, after the same step
-        every = cfg.eval_every_steps
-        if every and self.eval_loader is not None and self.global_step % every == 0:
-            metrics = self._evaluate_once()
-            runlog.write("eval", self.global_step, {"epoch": epoch, **metrics})
-            self.say(" | ".join([f"step {self.global_step}", *_eval_parts(metrics)]))
-            self._keep_best(metrics)
+        if improved:
+            self._keep_best()
         if self._bar_steps and self._bar is not None:
             self._bar.update()
         if window is None:
@@ -749,12 +757,12 @@ class Trainer:
         self._call("on_checkpoint", self.last_checkpoint)
         return self.last_checkpoint
 
-    def _keep_best(self, metrics: dict[str, float]) -> None:
-        """After an evaluation: when `config.keep_best`'s metric improved, keep this
-        step's checkpoint (written now unless it was already) as best.pt."""
+    def _new_best(self, metrics: dict[str, float]) -> bool:
+        """After an evaluation: whether `config.keep_best`'s metric improved; if so it
+        becomes `best` now, before this step's checkpoint is written (which keeps it)."""
         name = self.config.keep_best
         if name is None:
-            return
+            return False
         if name not in metrics:
             raise ConfigError(
                 f"keep_best watches {name!r}, which this run does not report (it has: "
@@ -764,11 +772,15 @@ class Trainer:
         if self.best is not None and not (
             value > self.best if higher_is_better(name) else value < self.best
         ):
-            return  # no better (a NaN never is)
+            return False  # no better (a NaN never is)
         self.best = value
+        return True
+
+    def _keep_best(self) -> None:
+        """Keep this step's checkpoint (written now unless it was already) as best.pt."""
         path = self.last_checkpoint if self._saved_step == self.global_step else None
         best = keep_as_best(path or self.save(), self.ctx)
-        self.say(f"{name} {value:.4f} is the best so far: kept as {best}")
+        self.say(f"{self.config.keep_best} {self.best:.4f} is the best so far: kept as {best}")
 
     def _parts(self) -> dict[str, Any]:
         """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
