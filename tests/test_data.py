@@ -13,6 +13,7 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     IterableDataset,
+    RandomSampler,
     SequentialSampler,
     TensorDataset,
     get_worker_info,
@@ -225,3 +226,66 @@ def test_cpu_ranks_do_not_pin_and_do_not_warn(how: str) -> None:
     pinned, warned = launch(_pinning_on_cpu, how, nprocs=2, backend="gloo")
     assert not [w for w in warned if "pin_memory" in w], warned
     assert pinned is False
+
+
+# -- a one-GPU script's RandomSampler(num_samples, replacement) and its other options --------
+_DRAWN = [(True, 40), (False, 24), (False, 6), (True, None)]  # (replacement, num_samples)
+
+
+def _drawn_epochs(ctx: DistContext) -> list[Any]:
+    """Each rank's indices over 2 epochs of a 10-sample set, for each of _DRAWN."""
+    out = []
+    for replacement, num_samples in _DRAWN:
+        data = _indices(10)
+        script = DataLoader(
+            data, batch_size=3,
+            sampler=RandomSampler(data, replacement=replacement, num_samples=num_samples),
+        )  # fmt: skip
+        loader = prepare_loader(script, ctx, seed=5)
+        epochs = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            epochs.append([int(i) for (batch,) in loader for i in batch])
+        out.append({"epochs": epochs, "len": len(loader)})
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, out)
+    return everyone
+
+
+def test_a_random_sampler_keeps_its_draws_and_replacement_sharded() -> None:
+    ranks = launch(_drawn_epochs, nprocs=2)
+    for case, (replacement, num_samples) in enumerate(_DRAWN):
+        draws = 10 if num_samples is None else num_samples
+        (r0, r1) = (rank[case]["epochs"] for rank in ranks)
+        assert [rank[case]["len"] for rank in ranks] == [-(-draws // 2 // 3)] * 2, case
+        for epoch in range(2):
+            both = r0[epoch] + r1[epoch]
+            assert len(r0[epoch]) == len(r1[epoch]) == draws // 2, (case, epoch)  # shares
+            counts = sorted(both.count(i) for i in range(10))
+            if replacement:  # one sequence of draws, seeded by the epoch, shared out
+                g = torch.Generator().manual_seed(5 + epoch)
+                order = torch.randint(10, (draws,), generator=g).tolist()
+                assert (r0[epoch], r1[epoch]) == (order[0::2], order[1::2]), (case, epoch)
+                if draws > 10:
+                    assert counts[-1] > 1, case  # repeats: drawn with replacement
+            else:  # as RandomSampler: whole permutations, then part of one
+                full, part = divmod(draws, 10)
+                assert counts == [full] * (10 - part) + [full + 1] * part, (case, epoch)
+        assert r0[0] != r0[1], case  # drawn anew each epoch
+
+
+def test_a_dataloaders_other_options_are_kept() -> None:
+    script = DataLoader(
+        _indices(12), batch_size=4, num_workers=1, multiprocessing_context="fork",
+        timeout=30.0, in_order=False, pin_memory=True, pin_memory_device="cuda",
+    )  # fmt: skip
+    loader = prepare_loader(script, DistContext.single("cpu"))
+    assert loader.timeout == 30.0
+    assert loader.multiprocessing_context.get_start_method() == "fork"
+    assert loader.in_order is False
+    assert sorted(int(i) for (batch,) in loader for i in batch) == list(range(12))
+    assert (loader.pin_memory, loader.pin_memory_device) == (False, "")  # a CPU rank: no pinning
+    on_gpu = prepare_loader(script, DistContext.single("cuda"))  # built, not read
+    assert (on_gpu.pin_memory, on_gpu.pin_memory_device) == (True, "cuda")
+    plain = prepare_loader(DataLoader(_indices(4), batch_size=2), DistContext.single("cpu"))
+    assert (plain.timeout, plain.multiprocessing_context, plain.in_order) == (0, None, True)

@@ -210,21 +210,65 @@ def _rest_of_epoch(sampler: Any, start: int) -> list[int]:
 def global_order(sampler: DistributedSampler[Any]) -> list[int]:
     """The epoch's order of a DistributedSampler over all ranks, before padding: a
     permutation of the dataset (or its order, without shuffling); or, for a
-    `ReplacementSampler`, its draws."""
+    `DrawnSampler`, its draws."""
     size = len(sampler.dataset)  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(sampler.seed + sampler.epoch)
-    if isinstance(sampler, ReplacementSampler):
-        return torch.randint(size, (size,), generator=generator).tolist()
+    if isinstance(sampler, DrawnSampler):
+        if sampler.replacement:
+            return torch.randint(size, (sampler.draws,), generator=generator).tolist()
+        # As RandomSampler draws without replacement: whole permutations, then part of one.
+        full, part = divmod(sampler.draws, size)
+        perms = [torch.randperm(size, generator=generator) for _ in range(full)]
+        return torch.cat([*perms, torch.randperm(size, generator=generator)[:part]]).tolist()
     if sampler.shuffle:
         return torch.randperm(size, generator=generator).tolist()
     return list(range(size))
 
 
-class ReplacementSampler(DistributedSampler[Any]):
-    """Training samples drawn with replacement, as nanoGPT draws random windows of its
-    token stream, and sharded: each epoch draws one sequence of len(dataset) indices from
-    `seed` and the epoch, the same on every rank, and rank r takes every W-th of it
-    (from r), so the ranks' shares are as long as DistributedSampler's."""
+def epoch_length(sampler: DistributedSampler[Any]) -> int:
+    """Samples in the epoch's order over all ranks, before padding (see global_order)."""
+    if isinstance(sampler, DrawnSampler):
+        return sampler.draws
+    return len(sampler.dataset)  # type: ignore[arg-type]
+
+
+class DrawnSampler(DistributedSampler[Any]):
+    """`RandomSampler(dataset, replacement, num_samples)`, sharded: each epoch draws
+    `num_samples` indices (default: as many as the dataset holds) from `seed` and the
+    epoch, the same on every rank, with replacement or (as RandomSampler does without)
+    whole permutations and then part of one; rank r takes every W-th draw (from r), so
+    the ranks share the epoch's draws as DistributedSampler shares a permutation."""
+
+    replacement = False
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        num_samples: int | None = None,
+        replacement: bool | None = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
+        if replacement is not None:
+            self.replacement = replacement
+        self.draws = len(dataset) if num_samples is None else num_samples  # type: ignore[arg-type]
+        if self.draws < self.num_replicas:
+            raise ConfigError(
+                f"the sampler draws {self.draws} sample(s) per epoch but there are "
+                f"{self.num_replicas} ranks, so some rank would get none: draw at least "
+                f"{self.num_replicas} (num_samples)"
+            )
+        # DistributedSampler sized the shares from the dataset: size them from the draws.
+        if drop_last:
+            self.num_samples = self.draws // self.num_replicas
+        else:
+            self.num_samples = math.ceil(self.draws / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
 
     def __iter__(self) -> Iterator[Any]:
         order = global_order(self)
@@ -233,6 +277,16 @@ class ReplacementSampler(DistributedSampler[Any]):
         else:
             order += order[: self.total_size - len(order)]
         return iter(order[self.rank : self.total_size : self.num_replicas])
+
+
+class ReplacementSampler(DrawnSampler):
+    """Training samples drawn with replacement, as nanoGPT draws random windows of its
+    token stream, and sharded: each epoch draws one sequence of len(dataset) indices
+    (or `num_samples`) from `seed` and the epoch, the same on every rank, and rank r
+    takes every W-th of it (from r), so the ranks' shares are as long as
+    DistributedSampler's."""
+
+    replacement = True
 
 
 class _SeededSamples(Dataset[Any]):
@@ -341,13 +395,20 @@ def prepare_loader(
     worker_init_fn: Callable[[int], None] | None = None,
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
+    timeout: float = 0,
+    multiprocessing_context: Any = None,
+    in_order: bool = True,
+    pin_memory_device: str = "",
 ) -> DistributedLoader:
     """A DataLoader that gives this rank its share of `dataset`.
 
     `dataset` may also be the DataLoader of a one-GPU script: it is rebuilt to shard its
     dataset, keeping its batch size, `num_workers`, `collate_fn`, `pin_memory`,
-    `worker_init_fn`, `persistent_workers`, `prefetch_factor`, `drop_last` and whether
-    it shuffles (a RandomSampler); the other arguments here are then ignored, except
+    `worker_init_fn`, `persistent_workers`, `prefetch_factor`, `drop_last`, `timeout`,
+    `multiprocessing_context`, `in_order`, `pin_memory_device` and whether it shuffles (a
+    RandomSampler); a RandomSampler's `num_samples` and `replacement` are kept too
+    (`DrawnSampler`: each epoch draws as many, seeded by `seed` and the epoch, and the
+    ranks share the draws). The other arguments here are then ignored, except
     `evaluation`, `seed` and a `batch_size` or `shuffle` that you pass, which win.
     A DataLoader over an IterableDataset is dealt out a batch at a time: every rank
     reads the whole stream, and rank r keeps the loader's batches r, r + W, r + 2W, ...
@@ -386,6 +447,8 @@ def prepare_loader(
             Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
         persistent_workers: keep the workers alive between epochs.
         prefetch_factor: batches each worker loads ahead (DataLoader's default if None).
+        timeout, multiprocessing_context, in_order, pin_memory_device: as DataLoader's
+            (the last two with workers, and with pinning, only).
 
     Returns:
         A `DataLoader` with a `set_epoch(epoch)` method.
@@ -397,6 +460,19 @@ def prepare_loader(
     if isinstance(dataset, DataLoader):
         kept = _kept_options(dataset, batch_size, shuffle, evaluation)
         inner = dataset.dataset
+        draws = kept.pop("draws", None)
+        if draws is not None:  # the loader's RandomSampler(num_samples, replacement)
+            num_samples, drawn_with_replacement = draws
+            kept["sampler"] = DrawnSampler(
+                inner,
+                ctx.world_size,
+                ctx.rank,
+                seed=seed,
+                drop_last=kept["drop_last"],
+                num_samples=num_samples,
+                replacement=drawn_with_replacement or replacement,
+            )
+            replacement = False  # the sampler draws
         if (
             isinstance(inner, IterableDataset)
             and not isinstance(inner, _DealtStream)  # a loader of ours: dealt already
@@ -484,6 +560,11 @@ def prepare_loader(
         generator=torch.Generator().manual_seed(seed + ctx.rank),
         persistent_workers=persistent_workers and num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        timeout=timeout,
+        multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+        pin_memory_device=pin_memory_device if pin else "",
+        # Passed only when asked: torch's default, and older releases may lack it.
+        **cast(dict[str, Any], {} if in_order else {"in_order": False}),
     )
     loader.base_seed = seed + ctx.rank
     return loader
@@ -553,12 +634,24 @@ def _kept_options(
         "worker_init_fn": loader.worker_init_fn,
         "persistent_workers": loader.persistent_workers,
         "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "timeout": loader.timeout,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "in_order": getattr(loader, "in_order", True),
+        "pin_memory_device": loader.pin_memory_device,
     }
     order = loader.sampler
     if isinstance(loader.dataset, IterableDataset) or evaluation:
         return kept  # a stream has no sampler (see _DealtStream); evaluation keeps the order
     if isinstance(order, DistributedSampler):
         kept["sampler"] = order  # already a shard of its own
+    elif isinstance(order, RandomSampler) and (order.replacement or order._num_samples):
+        if shuffle is False:
+            raise ConfigError(
+                f"shuffle=False contradicts the DataLoader's RandomSampler(replacement="
+                f"{order.replacement}, num_samples={order._num_samples}), which draws at "
+                "random: drop shuffle=False, or the sampler's options"
+            )
+        kept["draws"] = (order._num_samples, order.replacement)
     elif isinstance(order, (RandomSampler, SequentialSampler)):
         kept["shuffle"] = isinstance(order, RandomSampler) if shuffle is None else shuffle
     else:
