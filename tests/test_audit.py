@@ -218,3 +218,86 @@ def test_a_run_that_ended_well_keeps_a_static_hang_a_warning(tmp_path: Path) -> 
     # A run that hung (124) contradicts nothing.
     (still,) = confirm([hang], [], 124)
     assert still == hang
+
+
+# -- --audit=strict keeps the job's own exit status -----------------------------------
+# A Trainer job that commits a pitfall, trains, then ends as `sys.argv[2]` says: "preempted" (a
+# SIGTERM reaches rank 1, every rank saves and exits 75), "crash" (rank 1 raises),
+# "hang" (rank 0 waits in a barrier that rank 1 never calls), "clean". Its pitfall:
+# "error" (every rank saves one file: DDP103) or "info" (BatchNorm left unsynchronised
+# in a DDP of the script's own: DDP105).
+STRICT_JOB = """
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpkit
+
+
+class Ending(ddpkit.Callback):
+    def on_step_end(self, trainer, step):
+        if step == 3 and sys.argv[2] == "preempted" and trainer.ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(ctx, folder, ending, pitfall):
+    ddpkit.seed_everything(5)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2), nn.GELU(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(96, 6, generator=g)
+    data = torch.utils.data.TensorDataset(x, x[:, :3].sum(1, keepdim=True))
+    config = ddpkit.TrainConfig(epochs=40 if ending == "preempted" else 1, batch_size=4,
+                                checkpoint_dir=folder, progress=False)
+    if pitfall == "error":
+        os.makedirs(folder, exist_ok=True)
+        torch.save(model.state_dict(), os.path.join(folder, "initial.pt"))  # every rank
+    else:
+        bn = DDP(nn.Sequential(nn.Linear(6, 4), nn.BatchNorm1d(4)))
+        bn(torch.randn(8, 6)).sum().backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ddpkit.Trainer(model, optimizer, data, ctx, config, loss_fn=nn.functional.mse_loss,
+                   callbacks=[Ending()], log_fn=lambda s: None).fit()
+    if ending == "crash" and ctx.rank == 1:
+        raise ValueError("a bad batch")
+    if ending == "hang" and ctx.rank == 0:
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    ddpkit.launch(main, sys.argv[1], sys.argv[2], sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize(
+    ("ending", "pitfall", "code"),
+    [
+        ("preempted", "error", 75),
+        ("crash", "error", 1),
+        ("hang", "error", 124),
+        ("clean", "info", 0),
+    ],
+)
+def test_a_strict_audit_keeps_the_jobs_own_exit_status(
+    tmp_path: Path, ending: str, pitfall: str, code: int
+) -> None:
+    # Strict fails (3) only a job that ended on its own with 0, and only for warnings
+    # and errors: a preempted job must still end with 75 for its requeue, a crash with
+    # 1 and a hang with 124; an info is no failure. The findings are still reported.
+    script = tmp_path / "job.py"
+    script.write_text(STRICT_JOB)
+    folder = str(tmp_path / "ck")
+    out = run_cli(
+        *("run", "--nproc", "2", "--audit=strict", "--hang-timeout", "3"),
+        *(str(script), folder, ending, pitfall),
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    assert out.returncode == code, out.stderr[-3000:]
+    said = out.stdout + out.stderr
+    assert ("DDP103" if pitfall == "error" else "DDP105") in said, said[-3000:]

@@ -15,7 +15,7 @@ from typing import Any
 
 from ddpkit.cli.flags import add_process_flags, check_folder, check_processes
 from ddpkit.errors import ConfigError
-from ddpkit.findings import Finding, format_json, write_audit_log
+from ddpkit.findings import Finding, Severity, format_json, write_audit_log
 from ddpkit.processes.audit import report as audit_report
 from ddpkit.processes.config import LaunchConfig, parse_local_ranks
 from ddpkit.processes.slurm import slurm_step
@@ -84,7 +84,8 @@ def add_parser(sub: Any) -> None:
         metavar="strict",
         help="watch what the job does and report the DDP pitfalls it actually committed, "
         "at the end (ranks that trained different weights, a file saved by every rank, "
-        "...); --audit=strict also exits 3 when there are findings",
+        "...); --audit=strict also exits 3 for a warning or an error of a job that "
+        "otherwise succeeded",
     )
     p.add_argument(
         "--format",
@@ -126,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
     code = run_script(command, settings, found.extend if args.audit is not None else None)
     if args.audit is not None:
         _report_audit(found, args.format, settings.log_dir, code)
-        if found and args.audit == "strict":
-            code = AUDIT_STRICT_EXIT
+        if args.audit == "strict":
+            code = _strict_exit(found, code)
     # No interpreter shutdown, as for the workers: torch's threads (the store client
     # of the hang watch on several nodes) can turn it into an abort after a clean run.
     exit_now(code)
@@ -135,6 +136,15 @@ def run(args: argparse.Namespace) -> int:
 
 # `ddpkit run --audit=strict`: the job ran, and the audit found pitfalls it committed.
 AUDIT_STRICT_EXIT = 3
+
+
+def _strict_exit(found: list[Finding], code: int) -> int:
+    """The exit status under --audit=strict: 3 for a warning or an error of a job that
+    ended on its own with 0. A job stopped or failed keeps its own status (75 for a
+    requeue after preemption, 124 hung, 130 or 128 + N stopped by a signal, 1 crashed),
+    which says more than the audit; an info finding fails nothing."""
+    failing = [f for f in found if f.severity in (Severity.ERROR, Severity.WARNING)]
+    return AUDIT_STRICT_EXIT if code == 0 and failing else code
 
 
 def _audit_mode(args: argparse.Namespace) -> None:
