@@ -667,3 +667,59 @@ def test_a_signal_after_training_began_without_a_checkpoint_folder_still_stops_w
     )
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert "while the job was starting" not in proc.stderr
+
+
+# A SIGTERM reaches rank 1 once (a marker file says it came), at step 3 of the first
+# attempt; a restarted attempt trains to its end.
+SIGNALLED_ONCE_JOB = """
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+import ddpkit
+
+
+class TermOnce(ddpkit.Callback):
+    def __init__(self, mark):
+        self.mark = mark
+
+    def on_step_end(self, trainer, step):
+        if step == 3 and trainer.ctx.rank == 1 and not os.path.exists(self.mark):
+            open(self.mark, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def main(ctx, folder):
+    ddpkit.seed_everything(2)
+    model = nn.Sequential(nn.Linear(5, 10), nn.Dropout(0.1), nn.ReLU(), nn.Linear(10, 1))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(160, 5, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.prod(1, keepdim=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = ddpkit.TrainConfig(epochs=3, batch_size=4, checkpoint_dir=folder, progress=False)
+    ddpkit.Trainer(model, optimizer, data, ctx, config, loss_fn=nn.functional.mse_loss,
+                   callbacks=[TermOnce(folder + ".signalled")], log_fn=lambda s: None).fit()
+    ddpkit.print("trained to the end")
+
+
+if __name__ == "__main__":
+    ddpkit.launch(main, sys.argv[1])
+"""
+
+
+def test_ddpkit_run_with_restarts_ends_a_preempted_job_with_75(tmp_path: Path) -> None:
+    # Every rank saves and exits 75 so that the scheduler requeues the job: that is no
+    # failure for torchrun's agent to restart, or the restarted group trains on, ends
+    # with 0, and the requeue never comes.
+    script = tmp_path / "job.py"
+    script.write_text(SIGNALLED_ONCE_JOB)
+    folder = tmp_path / "ck"
+    proc = run_cli("run", "--nproc", "2", "--max-restarts", "2", str(script), str(folder))
+    assert (tmp_path / "ck.signalled").exists(), proc.stderr
+    assert proc.returncode == PREEMPTED_EXIT, proc.stdout + proc.stderr
+    assert "trained to the end" not in proc.stdout
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: ")]
+    assert len(said) == 1 and re.match(r"ddpkit: stopped by SIGTERM after step \d+", said[0]), said

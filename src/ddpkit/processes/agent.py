@@ -92,6 +92,7 @@ def run_script(
         port = opts.master_port
         _wait_for_master(host, port, opts.rdzv_timeout)
     _patch_agent_store(loopback=local)
+    _no_restart_after_preemption()
     status = scratch_dir("run")
     world = nproc if single else opts.nnodes * nproc
     # What the ranks print, line by line, to the console and to each rank's log. The
@@ -214,6 +215,35 @@ def _patch_agent_store(loopback: bool) -> None:
     if loopback and hasattr(Handler, "_create_tcp_store_server"):
         Handler._create_tcp_store_server = create  # type: ignore[method-assign]
     Handler._ddpkit_patched = True  # type: ignore[attr-defined]
+
+
+def _no_restart_after_preemption() -> None:
+    """torchrun's agent restarts a failed worker group while `--max-restarts` allows. A
+    rank that exits 75 did not fail: the ranks saved on a stop signal (or were stopped
+    before their first step) so that the scheduler requeues the job. A restart would
+    train on and end with 0, and the requeue would never come: no restart then, and
+    `ddpkit run` ends with 75 (see _supervise)."""
+    try:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+        from torch.distributed.elastic.agent.server.local_elastic_agent import (
+            LocalElasticAgent as Agent,
+        )
+    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
+        return
+    if getattr(Agent, "_ddpkit_no_restart", False):
+        return
+    original = Agent._monitor_workers
+
+    def monitor(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and any(
+            failure.exitcode == PREEMPTED_EXIT for failure in result.failures.values()
+        ):
+            self._remaining_restarts = 0
+        return result
+
+    Agent._monitor_workers = monitor  # type: ignore[method-assign]
+    Agent._ddpkit_no_restart = True  # type: ignore[attr-defined]
 
 
 def _thread_env(nproc: int) -> dict[str, str]:
