@@ -4,6 +4,7 @@ schedulers, uneven shards, early stopping, compile, run logs."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -18,10 +19,16 @@ import ddpkit
 from ddpkit import DistContext, launch
 from ddpkit.checkpoint.digest import model_digest, state_digest
 from ddpkit.checkpoint.pt import latest_checkpoint
-from ddpkit.errors import WorkerError
+from ddpkit.errors import CheckpointError, WorkerError
 from ddpkit.seed import seed_everything
 from ddpkit.training.config import TrainConfig
-from ddpkit.training.trainer import Callback, EarlyStopping, Trainer
+from ddpkit.training.trainer import (
+    Callback,
+    EarlyStopping,
+    Trainer,
+    callback_states,
+    load_callback_states,
+)
 
 
 def _data(n: int = 96) -> TensorDataset:
@@ -468,3 +475,98 @@ def assert_same_best(straight: Path, resumed: Path) -> int:
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     return int(a["global_step"])
+
+
+# -- callback states by name (issue 43, D10) ----------------------------------------------
+class _Counter(Callback):
+    """A callback with a state of its own: the epochs it saw."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        self.seen += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.seen = int(state.get("seen", 0))  # lenient, as many users' callbacks are
+
+
+def _fit_stopping(ctx: DistContext, folder: str, counter: bool, crash: int | None) -> Any:
+    """Up to 8 epochs; `eval_err` never improves after epoch 1, so EarlyStopping (patience
+    3, from the config, after the given callbacks) stops after epoch 4. Every rank's
+    (epochs, stopped early, the counter's epochs, if any)."""
+    seed_everything(0)
+    model = _mlp()
+    progress: list[Trainer] = []
+
+    def err(net: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        return {"err": torch.tensor(0.1 * progress[0].epoch)}
+
+    config = TrainConfig(
+        epochs=8,
+        batch_size=8,
+        checkpoint_dir=folder,
+        resume=crash is None,
+        early_stopping_patience=3,
+        early_stopping_metric="eval_err",
+    )
+    counted = [_Counter()] if counter else []
+    plain = [Callback()] if counter and crash is None else []  # stateless
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        _data(48),
+        ctx,
+        config,
+        loss_fn=nn.functional.mse_loss,
+        eval_set=_data(10),
+        metrics_fn=err,
+        callbacks=[*plain, *counted, _CrashAt(crash, by_steps=False)],
+        log_fn=lambda s: None,
+    )
+    progress.append(trainer)
+    fit = trainer.fit()
+    return _every_rank(ctx, (fit.epochs, fit.stopped_early, [c.seen for c in counted]))
+
+
+@pytest.mark.parametrize(
+    ("before", "after"), [(True, False), (False, True)], ids=["dropped", "added"]
+)
+def test_a_resume_with_another_callback_list_keeps_early_stopping(
+    tmp_path: Path, before: bool, after: bool
+) -> None:
+    # Crashed at the start of epoch 3 (bad epochs: 1 of 3), resumed with the user's
+    # callback dropped (which crashed with KeyError 'best') or with two added before
+    # EarlyStopping (which silently reset its count and trained to epoch 6).
+    with pytest.raises((WorkerError, RuntimeError), match="crashed"):
+        launch(_fit_stopping, str(tmp_path), before, 2, nprocs=2)
+    ranks = launch(_fit_stopping, str(tmp_path), after, None, nprocs=2)
+    assert ranks[0] == ranks[1]
+    assert ranks[0][:2] == (4, True)
+    assert ranks[0][2] == ([2] if after else [])  # an added callback starts afresh
+
+
+def test_callback_states_are_kept_by_name_and_old_lists_load_where_unambiguous() -> None:
+    first, second, counter = EarlyStopping("loss"), EarlyStopping("eval_loss"), _Counter()
+    first.bad_epochs, second.bad_epochs, counter.seen = 1, 2, 5
+    states = callback_states([first, counter, second])
+    assert states == {
+        "EarlyStopping": {"best": math.inf, "bad_epochs": 1},
+        "_Counter": {"seen": 5},
+        "EarlyStopping#1": {"best": math.inf, "bad_epochs": 2},
+    }
+    # Another order, one dropped: each takes the state saved under its own name.
+    again, dropped = _Counter(), EarlyStopping("loss")
+    load_callback_states([again, dropped], states, Path("ckpt-000000001.pt"))
+    assert (again.seen, dropped.bad_epochs) == (5, 1)
+    # An older checkpoint's list by position: the states that hold something go, in
+    # order, to the callbacks that keep one, when they match one for one.
+    fresh, stateless = EarlyStopping(), Callback()
+    old = [{}, {"best": 0.5, "bad_epochs": 2}]
+    load_callback_states([stateless, fresh], old, Path("ckpt-000000001.pt"))
+    assert (fresh.best, fresh.bad_epochs) == (0.5, 2)
+    with pytest.raises(CheckpointError, match="by position"):
+        load_callback_states([_Counter()], old, Path("ckpt-000000001.pt"))

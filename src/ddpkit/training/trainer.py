@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -76,12 +76,26 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    @property
+    def state_key(self) -> str:
+        """The name this callback's state is kept under in checkpoints: its class's name
+        (a second callback of one key gets `#1`, a third `#2`, ...). A resumed run gives
+        each callback the state saved under its key, whatever callbacks were added,
+        dropped or moved. Override it to tell apart callbacks of one class that a
+        resumed run may reorder."""
+        return type(self).__qualname__
+
 
 class EarlyStopping(Callback):
-    """Stop when `monitor` has not improved by `min_delta` for `patience` epochs.
+    """Stop when `monitor` has not improved by `min_delta` in `patience` checks.
 
-    `monitor` is any epoch metric: `loss`, `eval_loss`, `accuracy`, ... With
-    `mode="auto"`, metrics named like accuracy are maximised, the others minimised.
+    It checks at each epoch's end and, with `eval_every_steps`, at each evaluation (once
+    for one that is both), so that it also acts in a run by `max_steps` over data that
+    never ends; every rank stops after the same step. `monitor` is any epoch metric:
+    `loss`, `eval_loss`, `accuracy`, ... (at an evaluation inside an epoch, `loss` is
+    the epoch's mean training loss so far). An evaluation's metric needs an eval set:
+    without one the Trainer refuses it before training. With `mode="auto"`, metrics
+    named like accuracy are maximised, the others minimised.
     """
 
     def __init__(
@@ -103,6 +117,13 @@ class EarlyStopping(Callback):
         self.stopped_epoch: int | None = None
 
     def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, float]) -> None:
+        # Unless an evaluation at this same step was checked already (the epoch's last).
+        if trainer._judged_step != trainer.global_step:
+            self.check(trainer, metrics, epoch)
+
+    def check(self, trainer: Trainer, metrics: dict[str, float], epoch: int | None = None) -> None:
+        """Judge `metrics` of the step `trainer` is at: the end of `epoch`, or an
+        evaluation in the epoch running (the Trainer calls it once per step)."""
         if self.monitor not in metrics:
             raise ConfigError(
                 f"early stopping watches {self.monitor!r}, which this run does not report "
@@ -119,11 +140,11 @@ class EarlyStopping(Callback):
             return
         self.bad_epochs += 1
         if self.bad_epochs >= self.patience:
-            self.stopped_epoch = epoch
+            self.stopped_epoch = trainer.epoch if epoch is None else epoch
             trainer.should_stop = True
             trainer.say(
-                f"early stopping: {self.monitor} has not improved for {self.patience} "
-                f"epoch(s) (best {self.best:.4g})"
+                f"early stopping after step {trainer.global_step}: {self.monitor} has not "
+                f"improved in {self.patience} check(s) (best {self.best:.4g})"
             )
 
     def state_dict(self) -> dict[str, Any]:
@@ -131,6 +152,63 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.bad_epochs = float(state["best"]), int(state["bad_epochs"])
+
+
+def callback_keys(callbacks: Sequence[Callback]) -> list[str]:
+    """Each callback's key in a checkpoint: its `state_key`, then `#1`, `#2`, ... for
+    the second, third, ... callback of the same key."""
+    seen: dict[str, int] = {}
+    keys = []
+    for cb in callbacks:
+        key = cb.state_key
+        seen[key] = n = seen.get(key, -1) + 1
+        keys.append(f"{key}#{n}" if n else key)
+    return keys
+
+
+def callback_states(callbacks: Sequence[Callback]) -> dict[str, dict[str, Any]]:
+    """What a checkpoint keeps of `callbacks`: each one's state under its key."""
+    return {
+        key: cb.state_dict() for key, cb in zip(callback_keys(callbacks), callbacks, strict=True)
+    }
+
+
+def load_callback_states(callbacks: Sequence[Callback], saved: Any, path: Path) -> list[str]:
+    """Give each of `callbacks` the state checkpoint `path` keeps under its key (one
+    with none starts afresh); return the keys of saved states that no callback took.
+
+    An older checkpoint keeps a list by position: its states that hold something go,
+    in order, to the callbacks whose state holds something, where they pair up one for
+    one with the same names in each pair; otherwise CheckpointError."""
+    if isinstance(saved, list):
+        saved = _by_position(callbacks, saved, path)
+    saved = dict(saved or {})
+    keys = callback_keys(callbacks)
+    for key, cb in zip(keys, callbacks, strict=True):
+        if key in saved:
+            cb.load_state_dict(saved[key])
+    return [key for key, state in saved.items() if state and key not in keys]
+
+
+def _by_position(
+    callbacks: Sequence[Callback], saved: list[Any], path: Path
+) -> dict[str, dict[str, Any]]:
+    """An older checkpoint's list of callback states, keyed as `load_callback_states`
+    says it may be."""
+    states = [s for s in saved if s]
+    keyed = [
+        (k, cb.state_dict()) for k, cb in zip(callback_keys(callbacks), callbacks, strict=True)
+    ]
+    takers = [(key, state) for key, state in keyed if state]
+    if len(states) != len(takers) or any(
+        set(state) != set(mine) for state, (_, mine) in zip(states, takers, strict=True)
+    ):
+        raise CheckpointError(
+            f"{path} keeps its callbacks' states by position (an older ddpkit), and this "
+            "run's callbacks do not match them: resume once with the callbacks that saved "
+            "it, in the same order (its next checkpoints keep them by name)"
+        )
+    return {key: state for (key, _), state in zip(takers, states, strict=True)}
 
 
 def higher_is_better(metric: str) -> bool:
@@ -288,7 +366,7 @@ class Trainer:
             )
         )
         best = config.keep_best or ""
-        if eval_set is None and (best.startswith("eval_") or best == "accuracy"):
+        if eval_set is None and _from_evaluation(best):
             raise ConfigError(
                 f"keep_best={best!r} is an evaluation's metric and this job has no eval set: "
                 "give the job an eval_set, or keep the best by 'loss'"
@@ -301,6 +379,23 @@ class Trainer:
             self.callbacks.append(
                 EarlyStopping(config.early_stopping_metric, config.early_stopping_patience)
             )
+        # What the run decides from its evaluations is checked now, not when the first
+        # epoch ends (before its checkpoint) and finds nothing to decide from.
+        stoppers = [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
+        for stopper in stoppers:
+            if eval_set is None and _from_evaluation(stopper.monitor):
+                raise ConfigError(
+                    f"early stopping watches {stopper.monitor!r}, an evaluation's metric, and "
+                    "this job has no eval set: give the job an eval_set, or watch 'loss' "
+                    "(--early-stopping-metric loss)"
+                )
+        # The metric ReduceLROnPlateau steps with, at each evaluation; None for others.
+        self._plateau: str | None = None
+        if isinstance(self.scheduler, ReduceLROnPlateau):
+            self._plateau = _plateau_metric(self.scheduler, config, stoppers, eval_set)
+        # The step whose evaluation ReduceLROnPlateau and early stopping have judged: the
+        # last step of an epoch may be due for two evaluations, which are one.
+        self._judged_step = -1
         self.log_fn = log_fn or _print
         self.epoch = 0  # the epoch running, or the next one to run
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
@@ -401,8 +496,8 @@ class Trainer:
                 # A run by steps may end inside an epoch, which a resume then continues.
                 if whole:
                     self.epoch, self.batch = epoch + 1, 0
-                    if self.scheduler is not None and cfg.scheduler_interval == "epoch":
-                        self.scheduler.step()
+                    if self._scheduler_per_epoch():
+                        cast(LRScheduler, self.scheduler).step()
                 metrics = {
                     "loss": loss,
                     "samples": n,
@@ -414,7 +509,10 @@ class Trainer:
                     metrics.update(self._evaluate_once())
                 runlog.write("epoch", self.global_step, {"epoch": epoch + 1, **metrics})
                 self._log_epoch(epoch, seconds, metrics)
-                self._call("on_epoch_end", epoch, metrics)
+                if self._judged_step != self.global_step:  # else judged as it evaluated
+                    self._step_plateau(metrics)
+                self._call("on_epoch_end", epoch, metrics)  # early stopping checks here
+                self._judged_step = self.global_step  # all before the checkpoint holds it
                 improved = self._new_best(metrics)  # before the checkpoint that keeps it
                 last = self._done()
                 if cfg.checkpoint_dir and (
@@ -461,6 +559,12 @@ class Trainer:
         # Accumulate on the device: calling .item() each step would stall the GPU.
         loss_sum = torch.zeros((), device=device)
         count = 0
+
+        def epoch_loss() -> float:
+            """The epoch's mean loss so far, all ranks (a collective: every rank calls it)."""
+            total, n = reduce_sums([loss_sum, count], self.ctx)
+            return total / max(n, 1)
+
         # Resumed from a checkpoint written mid-epoch: start after the batches it had
         # trained. A map-style dataset skips their indices without loading them; an
         # IterableDataset can only read past them.
@@ -524,11 +628,12 @@ class Trainer:
                     self.batch = position  # where a checkpoint written now resumes
                     self.samples_seen = self._seen_before_epoch + count * self.ctx.world_size
                     self._optimizer_step(window)
-                    self._after_step(window, runlog, epoch)
+                    self._after_step(window, runlog, epoch, epoch_loss)
                     signum = self._vote.step() if self._vote is not None else 0
                     if signum:  # every rank, after this same step
                         raise Preempted(self.save(), self.global_step, signum)
-                    if steps is not None and self.global_step >= steps:  # on every rank
+                    # On every rank: an early stop is decided from numbers of all ranks.
+                    if self.should_stop or (steps is not None and self.global_step >= steps):
                         whole = False
                         break
         finally:  # also on Ctrl-C: no half-drawn bar left on the screen
@@ -611,7 +716,9 @@ class Trainer:
             return self.config.run_dir is not None
         return window is not None
 
-    def _after_step(self, window: _Window | None, runlog: RunLog, epoch: int) -> None:
+    def _after_step(
+        self, window: _Window | None, runlog: RunLog, epoch: int, epoch_loss: Callable[[], float]
+    ) -> None:
         if self.callbacks:
             self._call("on_step_end", self.global_step)
         cfg = self.config
@@ -621,10 +728,18 @@ class Trainer:
         every = cfg.eval_every_steps
         improved = False
         if every and self.eval_loader is not None and self.global_step % every == 0:
-            metrics = self._evaluate_once()
-            runlog.write("eval", self.global_step, {"epoch": epoch, **metrics})
-            self.say(" | ".join([f"step {self.global_step}", *_eval_parts(metrics)]))
+            evaluation = self._evaluate_once()
+            runlog.write("eval", self.global_step, {"epoch": epoch, **evaluation})
+            self.say(" | ".join([f"step {self.global_step}", *_eval_parts(evaluation)]))
+            # Judged as at an epoch's end, the training loss by the same name: the
+            # epoch's mean so far (at the epoch's last step, the epoch line's).
+            metrics = {"loss": epoch_loss(), **evaluation}
             improved = self._new_best(metrics)
+            self._step_plateau(metrics)
+            for stopper in self.callbacks:
+                if isinstance(stopper, EarlyStopping):
+                    stopper.check(self, metrics)
+            self._judged_step = self.global_step
         if (
             cfg.save_every_steps
             and cfg.checkpoint_dir
@@ -704,6 +819,27 @@ class Trainer:
             metrics["accuracy"] = accuracy
         self._call("on_evaluate", metrics)
         return metrics
+
+    def _scheduler_per_epoch(self) -> bool:
+        """Whether the scheduler steps after each epoch (ReduceLROnPlateau steps at each
+        evaluation instead, `_step_plateau`)."""
+        return (
+            self.scheduler is not None
+            and self.config.scheduler_interval == "epoch"
+            and self._plateau is None
+        )
+
+    def _step_plateau(self, metrics: dict[str, float]) -> None:
+        """Step a ReduceLROnPlateau with its metric (`_plateau_metric`)."""
+        name = self._plateau
+        if name is None:
+            return
+        if name not in metrics:
+            raise ConfigError(
+                f"ReduceLROnPlateau steps with {name!r}, which this run does not report (it "
+                f"has: {', '.join(sorted(metrics))}): keep the best by one of those"
+            )
+        cast(ReduceLROnPlateau, self.scheduler).step(metrics[name])
 
     def _evaluate_once(self) -> dict[str, float]:
         """`evaluate()`, unless it already ran after this step (the last of a run by
@@ -786,10 +922,11 @@ class Trainer:
         """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
         own values (callbacks, samples seen, an early stop, the config) are its extra."""
         extra = {
-            "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "callbacks": callback_states(self.callbacks),
             "samples_seen": self.samples_seen,
             "should_stop": self.should_stop,
             "best": self.best,
+            "judged_step": self._judged_step,
             "config": self.config.to_dict(),
         }
         return {
@@ -824,14 +961,18 @@ class Trainer:
             scheduler=self.scheduler,
             scaler=self.precision.scaler,
         )
-        for cb, cb_state in zip(self.callbacks, saved.extra.get("callbacks") or [], strict=False):
-            cb.load_state_dict(cb_state)
+        unused = load_callback_states(self.callbacks, saved.extra.get("callbacks"), saved.path)
+        if unused:
+            self.say(
+                f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
+            )
         self.epoch, self.global_step, self.batch = saved.epoch, saved.step, saved.batch
         if self.batch:
             self._reposition(saved.loader)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
         self.should_stop = bool(saved.extra.get("should_stop", False))
         self.best = saved.extra.get("best")
+        self._judged_step = int(saved.extra.get("judged_step", -1))
         if saved.rng is not None:
             # Mid-epoch, the stream is restored once the trained batches are skipped.
             self._resume_rng = saved.rng
@@ -1075,6 +1216,40 @@ def _eval_parts(metrics: dict[str, float]) -> list[str]:
     if "accuracy" in metrics:
         parts.append(f"accuracy {metrics['accuracy']:.2%}")
     return parts
+
+
+def _from_evaluation(metric: str) -> bool:
+    """Whether `metric` is one only an evaluation reports (a metrics_fn's are eval_*)."""
+    return metric.startswith("eval_") or metric == "accuracy"
+
+
+def _plateau_metric(
+    scheduler: ReduceLROnPlateau,
+    config: TrainConfig,
+    stoppers: list[EarlyStopping],
+    eval_set: Dataset[Any] | None,
+) -> str:
+    """The metric a ReduceLROnPlateau steps with, at each evaluation: the one the run
+    keeps its best by, else the one early stopping watches, else the eval loss. What
+    cannot work is refused here, before training."""
+    name = config.keep_best or (stoppers[0].monitor if stoppers else "eval_loss")
+    if eval_set is None:
+        raise ConfigError(
+            f"ReduceLROnPlateau steps at each evaluation, with {name}, and this job has no "
+            "eval set: give the job an eval_set, or use another scheduler"
+        )
+    if config.scheduler_interval != "epoch":
+        raise ConfigError(
+            f"ReduceLROnPlateau steps at each evaluation, with {name}, not after each "
+            "optimizer step: leave scheduler_interval at 'epoch'"
+        )
+    mode = "max" if higher_is_better(name) else "min"
+    if scheduler.mode != mode:
+        raise ConfigError(
+            f"ReduceLROnPlateau(mode={scheduler.mode!r}) would step with {name!r}, which is "
+            f"better {'higher' if mode == 'max' else 'lower'}: pass mode={mode!r}"
+        )
+    return name
 
 
 def _class_logits(outputs: Any, targets: Any) -> bool:
