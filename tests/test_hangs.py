@@ -4,8 +4,10 @@ counts as work, and the waits the watch sees: tests/test_hang_watch.py."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import ddpkit
 from ddpkit import Callback, DistContext, TrainConfig, Trainer, launch
 from ddpkit.errors import ConfigError, HangError
 from ddpkit.processes.watchdog import _user_frame, describe
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
 
 HANG_TIMEOUT = 5.0
@@ -280,3 +282,133 @@ def test_a_rank_inside_backward_is_shown_at_the_users_backward_line() -> None:
     line = sys._getframe().f_lineno + 1
     (weight * 2).sum().backward()  # type: ignore[no-untyped-call]
     assert seen == [f"{__file__}:{line} in {sys._getframe().f_code.co_name}"]
+
+
+# -- DDP's gradient all-reduce, which torch launches and waits on from C++ in backward() --
+def _stuck_before_backward(ctx: DistContext, marker: str) -> None:
+    ddpkit.seed_everything(0)
+    net = nn.Sequential(nn.Linear(6, 24), nn.GELU(), nn.Dropout(0.2), nn.Linear(24, 2))
+    model = ddpkit.prepare_model(net, ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = {"x": torch.randn(12, 6), "y": torch.randn(12, 2)}
+    for step in range(3):
+        loss = nn.functional.smooth_l1_loss(model(batch["x"]), batch["y"])
+        if ctx.rank == 1 and step == 2:
+            Path(marker).write_text(str(time.time()))
+            threading.Event().wait()  # rank 1 never calls backward
+        loss.backward()  # rank 0 waits here, in DDP's all-reduce of the gradients
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_rank_stuck_before_backward_while_another_waits_in_ddps_all_reduce_is_stopped(
+    tmp_path: Path,
+) -> None:
+    # The most common DDP hang. The collective timeout (30 s) bounds the test: without a
+    # watch that sees the wait, the job ended there with gloo's error, blamed on rank 0.
+    marker = tmp_path / "blocked"
+    with pytest.raises(HangError) as info:
+        launch(_stuck_before_backward, str(marker), nprocs=2, hang_timeout=HANG_TIMEOUT, timeout=30)
+    assert time.time() - float(marker.read_text()) < HANG_TIMEOUT + 10
+    summary, stacks = info.value.summary, info.value.stacks
+    backward = _line_of(Path(__file__), "loss.backward()  # rank 0 waits here")
+    stuck = _line_of(Path(__file__), "threading.Event().wait()  # rank 1 never")
+    _assert_ddp_wait_named(summary, f"{__file__}:{backward}", f"{__file__}:{stuck}")
+    assert "rank 1 stayed at one line without using the CPU" in summary
+    assert "threading.Event().wait()" in stacks.split("Python stack of rank 1")[-1], stacks
+
+
+def _assert_ddp_wait_named(summary: str, backward: str, stuck: str) -> None:
+    """Rank 0 is shown in DDP's gradient all-reduce at its backward() line, and rank 1,
+    which never reached that collective, at the line where it is stuck."""
+    wait = re.search(
+        rf"rank 0: in DDP's gradient all-reduce in backward\(\) \(collective #(\d+)\) at "
+        rf"{re.escape(backward)} in ",
+        summary,
+    )
+    assert wait is not None, summary
+    missing = f"rank 0 waits in DDP's gradient all-reduce in backward() #{wait[1]}; rank 1 never"
+    assert missing in summary, summary
+    assert f"rank 1: not in a collective: idle (no CPU, no data read) at {stuck} in " in summary
+
+
+def _line_of(path: Path, text: str) -> int:
+    """The line of `path` that holds `text`."""
+    lines = path.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line and "_line_of" not in line)
+
+
+def _long_backward_on_rank_1(ctx: DistContext, seconds: float) -> str:
+    ddpkit.seed_everything(1)
+    model = ddpkit.prepare_model(nn.Linear(8, 1), ctx)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    loss = nn.functional.mse_loss(model(x), y)
+    if ctx.rank == 1:
+        # A backward that works in C++ inside the engine for `seconds`: matrix products.
+        # Large ones, so that few (and little memory) are kept for the backward.
+        size, start = 2048, time.monotonic()
+        chain = weight = torch.randn(size, size, requires_grad=True)
+        while time.monotonic() - start < seconds / 2:  # the backward costs twice the forward
+            chain = (chain @ weight) / size**0.5
+        loss = loss + 0 * chain.sum()
+    loss.backward()  # rank 0 waits here for rank 1, which computes its long backward
+    digest = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(digest) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, digest)
+    assert torch.equal(gathered[0], gathered[1])
+    return "done"
+
+
+@pytest.mark.slow
+def test_a_long_backward_that_computes_is_never_stopped(capfd: pytest.CaptureFixture[str]) -> None:
+    hang_timeout = 4.0
+    result = launch(_long_backward_on_rank_1, 4 * hang_timeout, nprocs=2, hang_timeout=hang_timeout)
+    assert result == "done"
+    err = capfd.readouterr().err
+    assert "for rank 1: rank 1 is busy (using the CPU or reading data)" in err, err
+    assert "rank 0: in DDP's gradient all-reduce in backward()" in err, err
+
+
+STUCK_BEFORE_BACKWARD = """
+import os, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=int(sys.argv[2])))
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for step in range(4):
+    out = model(torch.randn(10, 5))
+    loss = out.square().mean()
+    if rank == 1 and step == 3:
+        open(sys.argv[1], "w").write(str(time.time()))
+        threading.Event().wait()  # rank 1 never calls backward
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_hang_in_ddps_all_reduce_of_a_scripts_own_ddp_is_stopped_under_run(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "own_ddp.py"
+    script.write_text(STUCK_BEFORE_BACKWARD)
+    marker = tmp_path / "blocked"
+    # The script's collective timeout (60 s) bounds the test: without a watch that sees
+    # the wait, the job failed there with gloo's error, blamed on rank 0.
+    out = run_cli("run", "--nproc", "2", "--hang-timeout", "10", str(script), str(marker), "60")
+    ended = time.time()
+    assert out.returncode == 124, out.stderr
+    assert ended - float(marker.read_text()) < 10 + 10
+    summary = out.stderr[out.stderr.index("ddpkit: the job is hung") :]
+    backward = _line_of(script, "loss.backward()")
+    stuck = _line_of(script, "threading.Event().wait()")
+    _assert_ddp_wait_named(summary, f"{script}:{backward}", f"{script}:{stuck}")
+    assert "threading.Event().wait()" in summary.split("Python stack of rank 1")[-1]

@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddpkit.collectives import COLLECTIVES, POINT_TO_POINT
 
@@ -123,7 +123,7 @@ def descendants(pid: int, read: Callable[[str], str] | None = None) -> list[int]
 # spend on the CPU to count as working; a loop that polls with sleep() uses far less,
 # and so do idle threads (torch's pools, gloo's) and idle DataLoader workers.
 _BUSY_SHARE = 0.05
-# Bytes read between samples beyond which the rank counts as reading data.
+# Bytes read or written between samples beyond which the rank counts as moving data.
 _READ_BYTES = 4096
 
 # What this process is doing on purpose (see `expect`): set by `rank_zero_first`.
@@ -147,6 +147,47 @@ def _call_at(frame: FrameType, **call: Any) -> dict[str, Any]:
     return {**call, "where": where, "since": time.time(), "expected": _EXPECTED["wait"] > 0}
 
 
+# DDP's all-reduce of the gradients: torch launches it, and waits on it, from C++ inside
+# `backward()`, where no wrapper of a Python function sees it.
+GRADIENT_ALL_REDUCE = "DDP's gradient all-reduce in backward()"
+# Where torch waits from C++ on a collective that no Python call of torch.distributed
+# made: the innermost Python frame of the blocked main thread (a file of torch's, the
+# function) -> the collective, in the words of the report.
+_NATIVE_WAITS = {
+    (os.path.join("autograd", "graph.py"), "_engine_run_backward"): GRADIENT_ALL_REDUCE,
+    (os.path.join("distributed", "utils.py"), "_verify_param_shape_across_processes"): (
+        "DDP's check of the parameters' shapes in DDP(...)"
+    ),
+    (os.path.join("distributed", "utils.py"), "_sync_params_and_buffers"): (
+        "the broadcast of rank 0's parameters and buffers in DDP(...)"
+    ),
+    (os.path.join("nn", "parallel", "distributed.py"), "_distributed_broadcast_coalesced"): (
+        "DDP's broadcast of the buffers in forward()"
+    ),
+    # DTensor's collectives (FSDP's gradient clipping, full_tensor()): launched at once,
+    # waited on when the result is used.
+    (os.path.join("distributed", "_functional_collectives.py"), "wait_tensor"): (
+        "a DTensor collective (functional collectives: FSDP's gradient clipping, full_tensor())"
+    ),
+}
+# The dispatch of a torch op (`torch.ops...`): between a function above and C++.
+_OPS_FILE = _TORCH_DIR + "_ops.py"
+# Work.wait of an async call whose launch no wrapper saw: isend and irecv (see
+# ddpkit.collectives.POINT_TO_POINT), or a process group's own methods.
+ASYNC_WAIT = "wait() of an isend/irecv"
+
+
+def native_wait(frame: FrameType | None) -> str | None:
+    """The collective that a main thread stopped at `frame` waits on from C++ (see
+    _NATIVE_WAITS), if it is blocked at all: None when its innermost frame is none of
+    those places."""
+    inner = next((f for f in _frames(frame) if f.f_code.co_filename != _OPS_FILE), None)
+    if inner is None or not inner.f_code.co_filename.startswith(_TORCH_DIR):
+        return None
+    path = inner.f_code.co_filename[len(_TORCH_DIR) :]
+    return _NATIVE_WAITS.get((path, inner.f_code.co_name))
+
+
 class CollectiveTracker:
     """Wraps torch.distributed's collectives (and send/recv) to record the one this
     rank waits in, and since when.
@@ -159,6 +200,10 @@ class CollectiveTracker:
     def __init__(self) -> None:
         self.count = 0
         self.current: dict[str, Any] | None = None
+        # The number (`seq`) of the last gradient all-reduce that a DDP forward prepared
+        # for its backward (0: none yet). Counted among the collectives, in the order of
+        # the forwards, so that every rank gives the same step's the same number.
+        self.gradient_sync = 0
         self._work_type: type | None = None
         self._pending: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -177,6 +222,32 @@ class CollectiveTracker:
             if not getattr(wait, "_ddpkit_tracked", False):
                 # On the class: torch's own code (FSDP) calls it on the work it holds.
                 setattr(work, "wait", self._wrap_wait(wait))  # noqa: B010
+        self._count_gradient_syncs()
+
+    def _count_gradient_syncs(self) -> None:
+        """Count each DDP forward that prepares a gradient all-reduce (the Reducer's,
+        from C++ in the backward to come): on the class, so that a script's own DDP is
+        counted too. The all-reduce itself, comm hook and all, is left as it is."""
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        original: Callable[..., Any] = DDP.forward
+        if getattr(original, "_ddpkit_tracked", False):
+            return
+
+        @functools.wraps(original)
+        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+            # DDP's own test for a forward whose backward syncs (`no_sync()` and
+            # `torch.no_grad()` do not).
+            if module.require_backward_grad_sync and torch.is_grad_enabled():
+                self.count += 1
+                self.gradient_sync = self.count
+            return original(module, *args, **kwargs)
+
+        forward._ddpkit_tracked = True  # type: ignore[attr-defined]
+        # torch.compile leaves DDP's forward to run as it is (compiling the module
+        # inside): so it must leave this wrapper too, and not trace the count.
+        DDP.forward = torch.compiler.disable(forward, recursive=False)  # type: ignore[method-assign,no-untyped-call]
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -211,7 +282,11 @@ class CollectiveTracker:
                 call = self._pending.get(work)
             except TypeError:
                 call = None
-            if call is None:  # a sync call's own wait (already recorded), or not ours
+            if call is None and self.current is None:
+                # No wrapper saw it start: an isend or irecv (left unwrapped, see
+                # ddpkit.collectives), or a process group's own method.
+                call = {"name": ASYNC_WAIT, "seq": self.count + 1}
+            elif call is None:  # a sync call's own wait, already recorded
                 return original(work, *args, **kwargs)
             outer, self.current = self.current, _call_at(sys._getframe(1), **call)
             try:
@@ -229,22 +304,43 @@ except (AttributeError, OSError, ValueError):
     _TICKS = 100.0
 
 
+class _Io(NamedTuple):
+    """What a process (its threads) or its children did so far, from /proc."""
+
+    cpu: float = 0.0  # CPU seconds
+    read: int = 0  # bytes read (rchar: files, pipes, sockets)
+    written: int = 0  # bytes written (wchar): a checkpoint, a log, a cache
+    blkio: int = 0  # ticks spent waiting for block I/O (delay accounting; 0 where off)
+    in_io_wait: bool = False  # some thread is in uninterruptible sleep now (state D)
+
+
+def _stat_fields(text: str) -> list[str]:
+    """The fields of a /proc/<pid>/stat line after the command name, which may hold
+    spaces and parentheses: field 3 (the state) is [0], field 42 (blkio ticks) [39]."""
+    return text.rsplit(") ", 1)[1].split()
+
+
 class _Activity:
     """Evidence that this process works: CPU time of its threads (the watch's own aside)
-    and child processes, bytes they read, rank_zero_first."""
+    and child processes, bytes they read or write, time they spend waiting for the disk
+    (a checkpoint's fsync to a slow disk uses no CPU and, once written, moves no more
+    bytes: its thread sleeps uninterruptibly, state D), rank_zero_first."""
 
     def __init__(self, main_native_id: int | None) -> None:
         self._status = f"/proc/self/task/{main_native_id}/status"
-        # The thread that samples (Watchdog._run): its own CPU time is no work.
+        # The thread that samples (Watchdog._run): its own CPU time, and the reports it
+        # writes, are no work.
         self.watch_thread: int | None = None
+        self._watch_native: int | None = None
         self._own_reads = 0  # bytes this class read itself, not the rank's reading
-        self._last = (time.time(), self._cpu(), *self._children(), self._read_bytes())
+        self._last = (time.time(), self._own(), self._children())
 
     def _cpu(self) -> float:
         """CPU seconds of every thread of this process so far, less the sampling's."""
         cpu = time.process_time()
         if threading.get_ident() == self.watch_thread:
             cpu -= time.thread_time()
+            self._watch_native = threading.get_native_id()
         return cpu
 
     def _read(self, path: str) -> str:
@@ -253,12 +349,41 @@ class _Activity:
         self._own_reads += len(text.encode())
         return text
 
-    def _read_bytes(self, pid: int | str = "self") -> int:
+    def _io(self, pid: int | str) -> tuple[int, int]:
+        """(rchar, wchar) of /proc/<pid>/io, or of /proc/<pid>/task/<tid>/io."""
+        counts = {"rchar": 0, "wchar": 0}
         with contextlib.suppress(OSError, ValueError):
             for line in self._read(f"/proc/{pid}/io").splitlines():
-                if line.startswith("rchar:"):
-                    return int(line.split()[1]) - (self._own_reads if pid == "self" else 0)
-        return 0
+                key, _, value = line.partition(":")
+                if key in counts:
+                    counts[key] = int(value)
+        return counts["rchar"], counts["wchar"]
+
+    def _threads(self, pid: int | str) -> tuple[int, bool]:
+        """(blkio ticks summed over the threads of `pid`, whether one of them is in
+        uninterruptible sleep now), the watch's own thread aside."""
+        ticks, waiting = 0, False
+        tasks: list[str] = []
+        with contextlib.suppress(OSError):
+            tasks = os.listdir(f"/proc/{pid}/task")
+        for task in tasks:
+            if pid == "self" and task == str(self._watch_native):
+                continue
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = _stat_fields(self._read(f"/proc/{pid}/task/{task}/stat"))
+                waiting = waiting or fields[0] == "D"
+                ticks += int(fields[39]) if len(fields) > 39 else 0
+        return ticks, waiting
+
+    def _own(self) -> _Io:
+        """This process so far: its CPU time, reads and writes, less the watch's own."""
+        cpu = self._cpu()
+        read, written = self._io("self")
+        read -= self._own_reads  # before this class reads more below
+        if self._watch_native is not None:
+            written -= self._io(f"self/task/{self._watch_native}")[1]
+        blkio, waiting = self._threads("self")
+        return _Io(cpu, read, written, blkio, waiting)
 
     def wakeups(self) -> int:
         """How often the main thread was scheduled so far: a loop that polls with
@@ -270,31 +395,37 @@ class _Activity:
                     total += int(line.split()[1])
         return total
 
-    def _children(self) -> tuple[float, int]:
-        """(CPU seconds, bytes read) of the child processes so far: the live ones and
-        their own ended children, and the ended children this process reaped."""
+    def _children(self) -> _Io:
+        """The child processes so far: the live ones and their own ended children, and
+        the ended children this process reaped (their CPU time only)."""
         times = os.times()
-        cpu, read = times.children_user + times.children_system, 0
+        cpu, read, written, blkio = times.children_user + times.children_system, 0, 0, 0
+        waiting = False
         for pid in descendants(os.getpid(), self._read):
             with contextlib.suppress(OSError, IndexError, ValueError):
                 # utime, stime, cutime, cstime: fields 14 to 17 of /proc/<pid>/stat
-                fields = self._read(f"/proc/{pid}/stat").rsplit(") ", 1)[1].split()
+                fields = _stat_fields(self._read(f"/proc/{pid}/stat"))
                 cpu += sum(int(f) for f in fields[11:15]) / _TICKS
-                read += self._read_bytes(pid)
-        return cpu, read
+                kid_read, kid_written = self._io(pid)
+                kid_blkio, kid_waiting = self._threads(pid)
+                read, written = read + kid_read, written + kid_written
+                blkio, waiting = blkio + kid_blkio, waiting or kid_waiting
+        return _Io(cpu, read, written, blkio, waiting)
 
     def working(self) -> bool:
         """Whether the rank worked since the last call."""
-        now, cpu, (kids_cpu, kids_read) = time.time(), self._cpu(), self._children()
-        read = self._read_bytes()
-        then, cpu0, kids_cpu0, kids_read0, read0 = self._last
-        self._last = (now, cpu, kids_cpu, kids_read, read)
-        # A child that leaves the tree (its parent ended first) takes its CPU time and
-        # reads with it: that drop must not hide the others' work.
-        used = cpu - cpu0 + max(kids_cpu - kids_cpu0, 0.0)
+        now, own, kids = time.time(), self._own(), self._children()
+        then, own0, kids0 = self._last
+        self._last = (now, own, kids)
+        # A child that leaves the tree (its parent ended first), or a thread that ends,
+        # takes its counts with it: that drop must not hide the others' work.
+        used = own.cpu - own0.cpu + max(kids.cpu - kids0.cpu, 0.0)
         busy = used >= _BUSY_SHARE * max(now - then, 1e-3)
-        reads = read - read0 + max(kids_read - kids_read0, 0)
-        return busy or reads > _READ_BYTES or _EXPECTED["work"] > 0
+        moved = own.read - own0.read + max(kids.read - kids0.read, 0)
+        moved += own.written - own0.written + max(kids.written - kids0.written, 0)
+        disk = own.in_io_wait or kids.in_io_wait
+        disk = disk or own.blkio > own0.blkio or kids.blkio > kids0.blkio
+        return busy or moved > _READ_BYTES or disk or _EXPECTED["work"] > 0
 
 
 class Watchdog:
@@ -317,6 +448,8 @@ class Watchdog:
         self._signature: tuple[tuple[str, int], ...] = ()
         self._wakeups = -1
         self._moved = self._active = time.time()
+        # The collective this rank waits on from C++ (see native_wait), while it does.
+        self._native: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
@@ -376,8 +509,10 @@ class Watchdog:
         child_wait = any(f.f_code.co_filename == subprocess.__file__ for f in _frames(frame))
         if child_wait:
             self._moved = now
-        if self._activity.working():
+        working = self._activity.working()
+        if working:
             self._active = now
+        collective = self.tracker.current or self._native_wait(frame, working, now)
         self._write(
             state="running",
             sampled=now,
@@ -386,10 +521,42 @@ class Watchdog:
             expected_work=_EXPECTED["work"] > 0,
             child_wait=child_wait,
             where=describe(_user_frame(frame)),
-            collective=self.tracker.current,
-            collectives_done=self.tracker.count - (1 if self.tracker.current else 0),
+            collective=collective,
+            collectives_done=self.tracker.count
+            - (1 if collective and collective["seq"] <= self.tracker.count else 0),
             stack=_format_stack(frame),
         )
+
+    def _native_wait(
+        self, frame: FrameType | None, working: bool, now: float
+    ) -> dict[str, Any] | None:
+        """The record of a collective that torch waits on from C++ (DDP's gradient
+        all-reduce inside `backward()`, ...), when the main thread sits where it does
+        (native_wait) and the rank used no CPU since the last sample: a long backward
+        that computes is work, never a wait. None otherwise."""
+        name = native_wait(frame) if not working else None
+        if name == GRADIENT_ALL_REDUCE and not self.tracker.gradient_sync:
+            name = None  # a backward with nothing to all-reduce (no DDP forward before it)
+        if name is not None and frame is not None and not self._native_is(name, now):
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                # Its own number if DDP's forward counted it; else the next one's.
+                seq = self.tracker.gradient_sync if name == GRADIENT_ALL_REDUCE else 0
+                record = _call_at(frame, name=name, seq=seq or self.tracker.count + 1)
+                # Idle at this line since it last worked or moved.
+                record["since"] = max(self._active, self._moved)
+                self._native = record
+            else:
+                name = None
+        if name is None:
+            self._native = None
+        return self._native
+
+    def _native_is(self, name: str, now: float) -> bool:
+        """Whether the wait recorded is still this one: the same place, and the rank
+        did not move since (a wait in the next step's backward is another)."""
+        return self._native is not None and self._native["name"] == name and self._moved < now
 
 
 def _format_stack(frame: FrameType | None) -> list[str]:
