@@ -261,7 +261,8 @@ def test_eval_over_nested_targets_counts_each_sample_once_on_two_ranks(as_dict: 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 1)).eval()
     with torch.no_grad():  # the mean over the samples, each once
-        losses = [_two_headed_loss(model(x[None]), _batch_of_one(t)) for x, t in data]
+        samples = [data[i] for i in range(len(data))]
+        losses = [_two_headed_loss(model(x[None]), _batch_of_one(t)) for x, t in samples]
     assert metrics["eval_samples"] == 13
     assert metrics["eval_loss"] == pytest.approx(float(torch.stack(losses).mean()), rel=1e-5)
 

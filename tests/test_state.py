@@ -18,13 +18,14 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit import (
     DistContext,
@@ -382,3 +383,101 @@ def test_one_process_reads_a_named_state_file_once(tmp_path: Path) -> None:
     before = _bytes_read()
     load_state(saved, ctx, model=model, optimizer=optimizer)
     assert _bytes_read() - before < 1.5 * size
+
+
+# -- a DistributedSampler subclass with its own order ----------------------------------------
+class _Lengths(Dataset[tuple[torch.Tensor, torch.Tensor, int]]):
+    """40 samples `(x, y, index)`, sample i being `i % 7 + 1` long (as token counts)."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def length(self, i: int) -> int:
+        return i % 7 + 1
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x = torch.full((8,), float(self.length(i))) + 0.1 * torch.randn(8)  # noise: an augmentation
+        return x, x[:1].clone(), i
+
+
+class _LengthBuckets(DistributedSampler[int]):
+    """Orders the epoch by length (shuffled within each length), and gives rank r the
+    r-th contiguous slice, so that each rank's batches hold samples of similar length:
+    an order of its own, unlike DistributedSampler's every-W-th permutation."""
+
+    def __iter__(self) -> Iterator[int]:
+        data = cast(_Lengths, self.dataset)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        tie = torch.randperm(len(data), generator=g).tolist()
+        order = sorted(range(len(data)), key=lambda i: (data.length(i), tie[i]))
+        order += order[: self.total_size - len(order)]
+        return iter(order[self.rank * self.num_samples : (self.rank + 1) * self.num_samples])
+
+
+def _bucket_loop(
+    ctx: DistContext, folder: str, record: str, stop: int | None, batch: int
+) -> list[Any]:
+    """2 epochs over _Lengths by length buckets, a save after every step; each rank
+    appends 'epoch index' lines to `record`; raises after saving step `stop`. Returns
+    every rank's model and optimizer digests."""
+    seed_everything(0)
+    model: nn.Module = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2), nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model = prepare_model(model, ctx)
+    data = _Lengths()
+    sampler = _LengthBuckets(data, ctx.world_size, ctx.rank, seed=3)
+    loader = prepare_loader(data, ctx, batch_size=batch, sampler=sampler)
+    seed_everything(rank_seed(0, ctx.rank))
+    start = load_state(folder, ctx, model=model, optimizer=opt, loader=loader)
+    start = start or {"epoch": 0, "batch": 0, "step": 0}
+    step = start["step"]
+    for epoch in range(start["epoch"], 2):
+        loader.set_epoch(epoch)
+        first = start["batch"] if epoch == start["epoch"] else 0
+        for done, (x, y, index) in enumerate(loader, start=first + 1):
+            with open(f"{record}.{ctx.rank}", "a") as f:
+                f.writelines(f"{epoch} {i}\n" for i in index.tolist())
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            step += 1
+            save_state(folder, ctx, model=model, optimizer=opt, loader=loader, epoch=epoch,
+                       batch=done, step=step)  # fmt: skip
+            if step == stop:
+                raise RuntimeError(f"stopped after saving step {stop}")
+    return _all_ranks(ctx, (model_digest(model), state_digest(opt.state_dict())))
+
+
+def _trained_by_epoch(folder: Path) -> list[list[int]]:
+    """Per epoch, the sorted indices that every rank of every run trained."""
+    seen: list[list[int]] = [[], []]
+    for f in folder.glob("record*"):
+        for line in f.read_text().splitlines():
+            e, i = map(int, line.split())
+            seen[e].append(i)
+    return [sorted(s) for s in seen]
+
+
+def test_a_sampler_subclass_resumed_with_another_batch_size_trains_each_sample_once(
+    tmp_path: Path,
+) -> None:
+    folder, record = str(tmp_path / "ck"), str(tmp_path / "record")
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 3"):
+        launch(_bucket_loop, folder, record, 3, 4, nprocs=2)  # 24 of 40 samples trained
+    # Batches of 5 on 2 ranks: the 24 samples make no whole step of 10.
+    digests = launch(_bucket_loop, folder, record + "-resumed", None, 5, nprocs=2)
+    assert _trained_by_epoch(tmp_path) == [list(range(40)), list(range(40))]
+    assert digests[0] == digests[1]  # every rank's parameters and optimizer state
+
+
+def test_a_sampler_subclass_resumed_on_other_ranks_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    folder, record = str(tmp_path / "ck"), str(tmp_path / "record")
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 3"):
+        launch(_bucket_loop, folder, record, 3, 4, nprocs=2)
+    # Its order on 1 rank is not what the 2 ranks trained: ddpkit cannot share out the rest.
+    with pytest.raises((WorkerError, ConfigError), match=r"on 2 rank.*_LengthBuckets") as info:
+        launch(_bucket_loop, folder, record + "-resumed", None, 4, nprocs=1)
+    line = next(t for t in str(info.value).splitlines() if "_LengthBuckets" in t)
+    assert "resume with the number of ranks" in line

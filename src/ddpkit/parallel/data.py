@@ -54,7 +54,7 @@ class DistributedLoader(DataLoader[Any]):
 
     base_seed: int = 0
     # Samples of the epoch's global order that the pass under way skipped (see
-    # skip_samples): where its batches stand in the epoch, for a checkpoint.
+    # batches_after): where its batches stand in the epoch, for a checkpoint.
     pass_start: int = 0
     _resume_plan: tuple[int, dict[str, Any] | None] | None = None  # see resume_at
 
@@ -100,7 +100,8 @@ class DistributedLoader(DataLoader[Any]):
         skipped by reading them."""
         if not isinstance(self.sampler, _Positioned):
             return False
-        self.sampler.start = batches * cast(int, self.batch_size)
+        if batches:  # 0 leaves a start that batches_after set for your own sampler
+            self.sampler.start = batches * cast(int, self.batch_size)
         return True
 
     def samples_done(self, batches: int, world_size: int) -> int:
@@ -117,30 +118,40 @@ class DistributedLoader(DataLoader[Any]):
 
         When the samples make whole batches on `world_size` ranks, those are the
         batches to skip (`skip`, `resume_at`): with the ranks and batch size that saved,
-        exactly the saved count. Otherwise the next pass starts at that sample, and what
-        is left of the order is shared out over the ranks as DistributedSampler shares
-        a whole epoch, so every sample is trained once; it then counts 0 batches done.
+        exactly the saved count. Otherwise the next pass starts at that sample: of
+        ddpkit's own order, what is left is shared out over the ranks as
+        DistributedSampler shares a whole epoch; of your own sampler, on the ranks that
+        saved, each rank goes on in its own order after its share of the samples. Every
+        sample is trained once; the pass then counts 0 batches done.
 
         Raises:
-            ConfigError: the order is not ddpkit's (your own sampler, an
-                IterableDataset), so it cannot be re-sharded, and the ranks changed or
-                the samples make no whole batch.
+            ConfigError: the order is not ddpkit's (your own sampler, a subclass of
+                DistributedSampler with its own order, an IterableDataset) and the
+                number of ranks changed, or (an IterableDataset) the samples make no
+                whole batch: ddpkit cannot share out the rest of that order.
         """
         per_step = cast(int, self.batch_size) * world_size
         sampler = self.sampler
-        ours = isinstance(sampler, _Positioned) and isinstance(sampler.inner, DistributedSampler)
+        positioned = sampler if isinstance(sampler, _Positioned) else None
+        ours = positioned is not None and _ddpkits_order(positioned.inner)
         if ours or saved_world_size == world_size:
             if samples % per_step == 0:
                 return samples // per_step
-            if ours:
-                cast(_Positioned, sampler).global_start = samples
+            if positioned is not None and (ours or samples % world_size == 0):
+                positioned.global_start = samples
+                if not ours:  # every rank trained samples / W of its own order
+                    positioned.start = samples // world_size
                 return 0
+        order = (
+            f"order of your {type(positioned.inner).__name__}"
+            if positioned is not None
+            else "order of your IterableDataset"
+        )
         raise ConfigError(
             f"the resumed epoch had trained {samples} samples on {saved_world_size} rank(s), "
-            f"and the order of your own sampler or IterableDataset cannot be shared out "
-            f"again over {world_size} rank(s) in batches of {self.batch_size}: resume with "
-            f"the number of ranks and batch size that saved, or from a checkpoint saved at "
-            f"an epoch's end"
+            f"and the {order} cannot be shared out again over {world_size} rank(s) in "
+            f"batches of {self.batch_size}: resume with the number of ranks that saved, or "
+            f"from a checkpoint saved at an epoch's end"
         )
 
 
@@ -157,7 +168,7 @@ class _Positioned(Sampler[Any]):
     def __init__(self, inner: Sampler[Any], key: int | None) -> None:
         self.inner, self.key = inner, key
         self.epoch = self.start = 0
-        self.global_start = 0  # see DistributedLoader.skip_samples
+        self.global_start = 0  # see DistributedLoader.batches_after
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -167,9 +178,9 @@ class _Positioned(Sampler[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         start, self.start = self.start, 0  # a skip applies to one epoch only
-        if self.global_start:
-            rest, self.global_start = _rest_of_epoch(self.inner, self.global_start), 0
-            indices: Iterator[Any] = iter(rest)
+        global_start, self.global_start = self.global_start, 0
+        if global_start and _ddpkits_order(self.inner):
+            indices: Iterator[Any] = iter(_rest_of_epoch(self.inner, global_start))
         else:
             indices = itertools.islice(iter(self.inner), start, None)
         if self.key is None:
@@ -181,9 +192,16 @@ class _Positioned(Sampler[Any]):
         )
 
     def __len__(self) -> int:
-        if self.global_start:
+        if self.global_start and _ddpkits_order(self.inner):
             return len(_rest_of_epoch(self.inner, self.global_start))
         return max(0, len(self.inner) - self.start)  # type: ignore[arg-type]
+
+
+def _ddpkits_order(sampler: Sampler[Any]) -> bool:
+    """Whether ddpkit knows `sampler`'s order for any number of ranks (`global_order`):
+    only of these exact classes. A subclass (length buckets, say) may order its epoch
+    in its own way, which a permutation rebuilt here would contradict."""
+    return type(sampler) in (DistributedSampler, DrawnSampler, ReplacementSampler)
 
 
 def _rest_of_epoch(sampler: Any, start: int) -> list[int]:
