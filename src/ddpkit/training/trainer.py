@@ -410,6 +410,7 @@ class Trainer:
         self._evaluated: tuple[int, dict[str, float]] = (-1, {})  # the newest evaluation
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
+        self._resumed_step: int | None = None  # the run log drops its records after it, once
         self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
         self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
         self.last_checkpoint: Path | None = None
@@ -475,7 +476,14 @@ class Trainer:
 
     def _epochs(self) -> FitResult:
         cfg = self.config
-        runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
+        # A resume from an older checkpoint trains its later steps again: their records go.
+        resumed, self._resumed_step = self._resumed_step, None
+        runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main, resumed_step=resumed)
+        if runlog.dropped:
+            self.say(
+                f"{cfg.run_dir}: dropped {runlog.dropped} record(s) after step {resumed}, "
+                "the step this run resumed from"
+            )
         if not self._done():  # else resume said why not
             self.say(self._start_line())
         if runlog.kept is not None:
@@ -790,7 +798,10 @@ class Trainer:
                 batch = to_device(batch, device)
                 with self.precision.autocast():
                     loss, outputs = self._loss(model, batch)
-                    values = dict(self.metrics_fn(model, batch)) if self.metrics_fn else {}
+                    # Under the names they are reported by, apart from ddpkit's own loss
+                    # and top-1 accuracy: a metrics_fn's "accuracy" is eval_accuracy.
+                    own = self.metrics_fn(model, batch) if self.metrics_fn else {}
+                    values = {f"eval_{k}": v for k, v in own.items()}
                 values["loss"] = loss
                 targets = batch[1] if self.training_step is None and is_pair(batch) else None
                 if _class_logits(outputs, targets):
@@ -814,7 +825,7 @@ class Trainer:
         means = {k: v / max(total, 1.0) for k, v in zip(names, values_sum, strict=True)}
         metrics: dict[str, float] = {"eval_loss": means.pop("loss"), "eval_samples": total}
         accuracy = means.pop("accuracy")
-        metrics.update({f"eval_{k}": v for k, v in means.items()})
+        metrics.update(means)  # metrics_fn's, named eval_*
         if any_classify:
             metrics["accuracy"] = accuracy
         self._call("on_evaluate", metrics)
@@ -967,6 +978,7 @@ class Trainer:
                 f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
             )
         self.epoch, self.global_step, self.batch = saved.epoch, saved.step, saved.batch
+        self._resumed_step = saved.step
         if self.batch:
             self._reposition(saved.loader)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
@@ -1019,12 +1031,19 @@ class Trainer:
         return default_step(model, batch, self.loss_fn)
 
     def _metric_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
-        """The names metrics_fn gave, the same list on every rank (rank 0's: a rank with
-        no eval batch has seen none, and rank 0 has the most samples)."""
+        """The names metrics_fn gave (as eval_<name>), the same list on every rank (rank
+        0's: a rank with no eval batch has seen none, and rank 0 has the most samples)."""
         names = [k for k in sums if k not in ("loss", "accuracy")]
-        if self.metrics_fn is None or not self.ctx.distributed:
+        if self.metrics_fn is None:
             return names
-        return broadcast_object(names)
+        if self.ctx.distributed:
+            names = broadcast_object(names)
+        for name in set(names) & {"eval_loss", "eval_samples"}:  # every rank raises
+            raise ConfigError(
+                f"metrics_fn returned {name[5:]!r}, reported as {name}, which is the "
+                f"evaluation's own: rename it (e.g. 'my_{name[5:]}')"
+            )
+        return names
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
