@@ -1,13 +1,13 @@
 """What the Trainer decides from its evaluations: ReduceLROnPlateau, early stopping and
 keep_best, at epoch ends and at `eval_every_steps`; the combinations that cannot be
-judged are refused before training. Multi-rank cases
+judged are refused before training; a metrics_fn's names are its own. Multi-rank cases
 run 2 real gloo ranks and compare every rank's parameters, buffers, optimizer and
 scheduler state, not rank 0's alone."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
 import ddpkit
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, WorkerError
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.trainer import Callback, EarlyStopping, Trainer
 from tests.matrix_jobs import _compare, held_state
@@ -256,3 +256,45 @@ def test_keep_best_by_loss_works_with_evaluations_every_n_steps(tmp_path: Path) 
     assert kept == [kept[0], f"loss {epoch[0]['loss']:.4f}"] and kept[0].startswith("loss ")
     assert out["best"] == pytest.approx(epoch[0]["loss"], rel=1e-6)
     assert (tmp_path / "ck" / "best.pt").exists()
+
+
+# -- a metrics_fn's own names ----------------------------------------------------------------
+def _accuracy_job(ctx: ddpkit.DistContext, folder: str, names: list[str]) -> dict[str, Any]:
+    ddpkit.seed_everything(0)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 5, generator=g)
+    data = TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())  # 3 classes
+
+    def metrics_fn(model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
+        # The user's own accuracy: 1 for every sample, unlike any top-1 of this model.
+        return {name: torch.tensor(1.0) for name in names}
+
+    model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+    trainer = Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        data,
+        ctx,
+        TrainConfig(epochs=1, batch_size=4, run_dir=folder, progress=False),
+        eval_set=data,
+        metrics_fn=metrics_fn,
+        log_fn=lambda _: None,
+    )
+    return trainer.fit().eval
+
+
+def test_a_metrics_fn_accuracy_is_reported_as_the_users(tmp_path: Path) -> None:
+    result = ddpkit.launch(_accuracy_job, str(tmp_path), ["accuracy"], nprocs=2)
+    assert result["eval_accuracy"] == 1.0  # the user's value, under its eval_ name
+    assert 0.0 <= result["accuracy"] < 1.0  # ddpkit's top-1 beside it, not in its place
+    epoch = [
+        json.loads(line)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+        if '"epoch"' in line
+    ][-1]
+    assert epoch["eval_accuracy"] == 1.0 and epoch["accuracy"] == result["accuracy"]
+
+
+def test_a_metrics_fn_name_that_would_hide_the_eval_loss_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError, match=r"metrics_fn returned 'loss'.*rename it"):
+        ddpkit.launch(_accuracy_job, str(tmp_path), ["loss"], nprocs=2)
