@@ -154,3 +154,106 @@ def test_a_logger_that_cannot_start_leaves_the_folder_as_it_was(
     with pytest.raises(ConfigError, match="csv could not start"):
         RunLog(str(tmp_path / "new"), {"resume": False, "loggers": ["csv"]}, enabled=True)
     assert _contents(tmp_path) == before
+
+
+# -- a resume from an older checkpoint (issue 43, D05) -------------------------------------
+def _fit_logged(ctx: Any, run_dir: str, resume: bool) -> None:
+    """3 epochs of 6 steps on 2 ranks, a step record every 2 steps, an evaluation every 4
+    and at each epoch's end, into metrics.jsonl and the csv logger's files."""
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    import ddpkit
+
+    ddpkit.seed_everything(0)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(58, 6, generator=g)
+    data = TensorDataset(x, (x[:, :2].sum(1) > 0).long())
+    model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.2), nn.ReLU(), nn.Linear(12, 2))
+    config = ddpkit.TrainConfig(
+        epochs=3,
+        batch_size=4,
+        log_every=2,
+        eval_every_steps=4,
+        run_dir=run_dir,
+        loggers=["csv"],
+        checkpoint_dir=str(Path(run_dir, "ck")),
+        keep_last=5,
+        resume=resume,
+    )
+    trainer = ddpkit.Trainer(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        torch.utils.data.Subset(data, range(48)),
+        ctx,
+        config,
+        eval_set=torch.utils.data.Subset(data, range(48, 58)),
+        log_fn=lambda _: None,
+    )
+    trainer.fit()
+
+
+_TIMING = ("time", "samples_per_s")
+
+
+def _records(folder: Path) -> dict[str, list[Any]]:
+    """metrics.jsonl's records and each csv file's rows, without their timing fields."""
+    out: dict[str, list[Any]] = {}
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    out["metrics.jsonl"] = [
+        {k: v for k, v in json.loads(line).items() if k not in _TIMING} for line in lines
+    ]
+    for path in sorted(folder.glob("*.csv")):
+        header, *rows = [line.split(",") for line in path.read_text().splitlines()]
+        keep = [i for i, name in enumerate(header) if name not in _TIMING]
+        out[path.name] = [[header[i] for i in keep]] + [[row[i] for i in keep] for row in rows]
+    return out
+
+
+@pytest.mark.slow
+def test_a_resume_from_an_older_checkpoint_drops_the_records_after_it(tmp_path: Path) -> None:
+    from ddpkit import launch
+
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    launch(_fit_logged, str(straight), False, nprocs=2)
+    launch(_fit_logged, str(cut), False, nprocs=2)
+    # The newer checkpoints are gone (deleted, or corrupt and skipped): resume at step 6.
+    for step in (12, 18):
+        (cut / "ck" / f"ckpt-{step:09d}.pt").unlink()
+    launch(_fit_logged, str(cut), True, nprocs=2)
+    expected, got = _records(straight), _records(cut)
+    assert sorted(got) == ["epochs.csv", "eval.csv", "metrics.jsonl", "steps.csv"]
+    for name in ("steps.csv", "eval.csv", "epochs.csv"):
+        steps = [int(row[0]) for row in got[name][1:]]
+        assert steps == sorted(set(steps)), name  # never back, never twice
+    assert got == expected
+
+
+def test_a_resumed_run_log_drops_the_records_after_its_step(tmp_path: Path) -> None:
+    first = RunLog(str(tmp_path), {"resume": False, "loggers": ["csv"]}, enabled=True)
+    for step in range(1, 7):
+        first.write("step", step, {"loss": 1.0 / step})
+        if step % 3 == 0:
+            first.write("epoch", step, {"epoch": step // 3, "loss": 0.5})
+    first.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"kind": "step", "st')  # cut short by a crash
+    resumed = RunLog(
+        str(tmp_path), {"resume": True, "loggers": ["csv"]}, enabled=True, resumed_step=3
+    )
+    assert resumed.dropped == 5  # steps 4, 5, 6, epoch 2 and the half line
+    resumed.write("step", 4, {"loss": 0.2})
+    resumed.close()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("step", 1),
+        ("step", 2),
+        ("step", 3),
+        ("epoch", 3),
+        ("step", 4),
+    ]
+    steps = (tmp_path / "steps.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in steps] == ["step", "1", "2", "3", "4"]
+    epochs = (tmp_path / "epochs.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in epochs] == ["step", "3"]

@@ -40,7 +40,16 @@ from typing import Any, Protocol
 
 from ddpkit.errors import ConfigError, Preempted
 
-__all__ = ["CSV_FILES", "Logger", "check_installed", "end_status", "first_line", "start_logger"]
+__all__ = [
+    "CSV_FILES",
+    "Logger",
+    "check_installed",
+    "csv_name",
+    "drop_rows_after",
+    "end_status",
+    "first_line",
+    "start_logger",
+]
 
 # The files "csv" writes, one per kind of record. RunLog keeps them with metrics.jsonl.
 CSV_FILES = {"step": "steps.csv", "epoch": "epochs.csv"}
@@ -117,6 +126,38 @@ def _require(name: str, module: str, why: str = "") -> ModuleType:
 # -- csv --------------------------------------------------------------------------------
 
 
+def csv_name(kind: str) -> str:
+    """The file of the csv logger's records of `kind`: steps.csv, epochs.csv, KIND.csv."""
+    return CSV_FILES.get(kind, f"{kind}.csv")
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Drop the rows of the csv logger's file `path` whose step is after `step` (a run
+    resumed from a checkpoint of that step trains them again), and a row cut short;
+    the number of rows dropped. The file is replaced whole, or left as it was."""
+    if not path.is_file():
+        return 0
+    with path.open(newline="") as f:
+        header, *rows = list(csv.reader(f)) or [[]]
+    if "step" not in header:
+        return 0
+    at = header.index("step")
+
+    def kept(row: list[str]) -> bool:
+        return len(row) == len(header) and row[at].isdigit() and int(row[at]) <= step
+
+    keep = [row for row in rows if kept(row)]
+    if len(keep) == len(rows):
+        return 0
+    spare = path.with_name(path.name + ".tmp")
+    with spare.open("w", newline="") as f:
+        out = csv.writer(f, lineterminator="\n")
+        out.writerow(header)
+        out.writerows(keep)
+    os.replace(spare, path)
+    return len(rows) - len(keep)
+
+
 class _CsvFile:
     """One CSV file of records, appended to, its header read back when it exists."""
 
@@ -172,7 +213,7 @@ class CsvLogger:
         self._files: dict[str, _CsvFile] = {}
 
     def write(self, kind: str, step: int, record: Mapping[str, Any]) -> None:
-        path = self.folder / CSV_FILES.get(kind, f"{kind}.csv")
+        path = self.folder / csv_name(kind)
         self.where = str(path)
         if kind not in self._files:
             self._files[kind] = _CsvFile(path)

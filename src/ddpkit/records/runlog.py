@@ -14,7 +14,9 @@ A new run (the config's `resume` false) into a folder whose metrics.jsonl (or CS
 file) already holds records keeps the last run's files under the first number N that
 is free: metrics.N.jsonl, config.N.json, steps.N.csv, epochs.N.csv and tb.N/, and
 `RunLog.kept` is the kept metrics.N.jsonl; so no file mixes two runs. A resumed run
-appends to the files of the run it continues.
+appends to the files of the run it continues, after dropping their records of the
+steps after its checkpoint (`resumed_step`): a run resumed from an older checkpoint
+trains those steps again, and its records' step only ever grows, with no step twice.
 
 A run log that cannot start (a full disk, a logger that fails to start, Ctrl-C) leaves
 the folder as it was: config.json is written to a temporary file and renamed into place
@@ -38,6 +40,8 @@ from ddpkit.records.loggers import (
     CSV_FILES,
     Logger,
     check_installed,
+    csv_name,
+    drop_rows_after,
     end_status,
     first_line,
     start_logger,
@@ -53,13 +57,24 @@ class RunLog:
     """The record of one run in `run_dir` (nothing when `enabled` is false, on every
     rank but 0): `write` a record, `close` at the end. `config` is the run's, as
     `TrainConfig.to_dict()` gives it; its `loggers` and `resume` say where the records
-    go and whether they continue the last run's files."""
+    go and whether they continue the last run's files. `resumed_step`: the step of the
+    checkpoint a resumed run continues from; the records after it are dropped."""
 
-    def __init__(self, run_dir: str | None, config: dict[str, Any], *, enabled: bool) -> None:
+    def __init__(
+        self,
+        run_dir: str | None,
+        config: dict[str, Any],
+        *,
+        enabled: bool,
+        resumed_step: int | None = None,
+    ) -> None:
         self.start = time.perf_counter()
         self.resumed_at = 0.0
         """The `time` of the last record that this (resumed) run continues; 0 for a
         new run. Its own records' `time` counts on from there."""
+        self.resumed_step = resumed_step
+        self.dropped = 0
+        """The records of metrics.jsonl after `resumed_step` that were dropped."""
         self.folder = Path(run_dir) if run_dir and enabled else None
         self.kept: Path | None = None
         """The last run's metrics file, renamed (metrics.1.jsonl, ...) for this run's
@@ -100,6 +115,8 @@ class RunLog:
             if not _exists(target):
                 changes.files.append(target)
             elif config.get("resume"):
+                if self.resumed_step is not None:
+                    self.dropped = drop_records_after(self.folder, self.resumed_step)
                 self.resumed_at = last_time(target)
             self._file = target.open("a", buffering=1)
         except OSError as exc:
@@ -212,6 +229,32 @@ def last_time(path: Path) -> float:
         if number and math.isfinite(value):
             return float(value)
     return 0.0
+
+
+def drop_records_after(folder: Path, step: int) -> int:
+    """Drop the records after `step` from the run log in `folder`: metrics.jsonl's, and
+    the rows of the csv logger's files for the kinds of record it holds (a line cut
+    short by a crash goes too). Each file is replaced whole, and only when something is
+    dropped; the number of metrics.jsonl's records dropped."""
+    path = folder / "metrics.jsonl"
+    keep: list[str] = []
+    kinds: set[str] = set()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for line in lines:
+        try:
+            record = json.loads(line)
+            at, kind = record["step"], record["kind"]
+        except (ValueError, TypeError, KeyError):  # half a line, or not a record
+            continue
+        kinds.add(str(kind))
+        if isinstance(at, int) and at <= step:
+            keep.append(line)
+    for kind in sorted(kinds):
+        drop_rows_after(folder / csv_name(kind), step)
+    if len(keep) == len(lines):
+        return 0
+    os.replace(_stage(path, "".join(f"{line}\n" for line in keep)), path)
+    return len(lines) - len(keep)
 
 
 def keep_last_run(folder: Path, *, renamed: list[tuple[Path, Path]] | None = None) -> Path | None:

@@ -410,6 +410,7 @@ class Trainer:
         self._evaluated: tuple[int, dict[str, float]] = (-1, {})  # the newest evaluation
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
+        self._resumed_step: int | None = None  # the run log drops its records after it, once
         self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
         self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
         self.last_checkpoint: Path | None = None
@@ -475,7 +476,14 @@ class Trainer:
 
     def _epochs(self) -> FitResult:
         cfg = self.config
-        runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main)
+        # A resume from an older checkpoint trains its later steps again: their records go.
+        resumed, self._resumed_step = self._resumed_step, None
+        runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main, resumed_step=resumed)
+        if runlog.dropped:
+            self.say(
+                f"{cfg.run_dir}: dropped {runlog.dropped} record(s) after step {resumed}, "
+                "the step this run resumed from"
+            )
         if not self._done():  # else resume said why not
             self.say(self._start_line())
         if runlog.kept is not None:
@@ -970,6 +978,7 @@ class Trainer:
                 f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
             )
         self.epoch, self.global_step, self.batch = saved.epoch, saved.step, saved.batch
+        self._resumed_step = saved.step
         if self.batch:
             self._reposition(saved.loader)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
