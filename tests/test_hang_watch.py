@@ -11,7 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import ddpkit
 from ddpkit import DistContext, launch
 from ddpkit.errors import HangError
 from ddpkit.parallel.fsdp import cpu_supported
+from ddpkit.parallel.ranks import all_gather_object
 from ddpkit.processes.watchdog import _Activity
 
 HANG_TIMEOUT = 4.0
@@ -230,3 +233,115 @@ def test_reading_data_is_work_even_without_cpu(tmp_path: Path) -> None:
         f.read()
     time.sleep(0.5)
     assert activity.working()
+
+
+def test_writing_is_work_but_the_watchs_own_reports_are_not(tmp_path: Path) -> None:
+    # A checkpoint flushed to a slow disk: bytes go out, the CPU idles. The watch's own
+    # writes (its report, once a second) are no work.
+    activity = _activity()
+    time.sleep(0.3)
+    assert not activity.working()
+    (tmp_path / "shard.bin").write_bytes(b"\1" * (1 << 16))
+    assert activity.working()
+
+    seen: list[bool] = []
+
+    def watch() -> None:
+        activity.watch_thread = threading.get_ident()
+        activity.working()
+        (tmp_path / "rank0.json").write_bytes(b"{}" * (1 << 15))  # as if its report
+        seen.append(activity.working())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    watcher.join()
+    assert seen == [False]
+
+
+class _DiskWait(_Activity):
+    """Sees the threads of this process in uninterruptible sleep (state D) while `on`:
+    an fsync blocked on a slow disk, which no test machine can be made to have."""
+
+    on = False
+
+    def _read(self, path: str) -> str:
+        text = super()._read(path)
+        if self.on and "/task/" in path and path.endswith("/stat"):
+            head, tail = text.rsplit(") ", 1)
+            text = f"{head}) D {tail.split(' ', 1)[1]}"
+        return text
+
+
+def test_a_thread_waiting_for_the_disk_is_work() -> None:
+    activity = _DiskWait(threading.main_thread().native_id)
+    time.sleep(0.3)
+    assert not activity.working()
+    activity.on = True
+    assert activity.working()
+
+
+# -- D02: a rank that flushes a checkpoint to a slow disk works --------------------------
+_FLUSH_S = 3 * HANG_TIMEOUT
+
+
+def _slow_fsync(real: Callable[[Any], None], scratch: str) -> Callable[[Any], None]:
+    """`os.fsync` as a slow disk makes it for the checkpoint's flush: for `_FLUSH_S`
+    seconds the flushing thread pushes bytes out (no CPU to speak of), then it returns.
+    Other fsyncs, and the folder's after the file's, are the real ones."""
+    slowed: list[Any] = []
+
+    def fsync(fd: Any) -> None:
+        if threading.current_thread().name == "ddpkit-durability" and not slowed:
+            slowed.append(fd)
+            end = time.monotonic() + _FLUSH_S
+            with open(scratch, "wb") as out:
+                while time.monotonic() < end:
+                    out.write(b"\0" * (1 << 15))  # write-back, as the kernel flushes
+                    out.flush()
+                    time.sleep(0.05)
+        real(fd)
+
+    return fsync
+
+
+def _fit_with_a_slow_flush(ctx: DistContext, folder: str) -> list[str]:
+    from ddpkit.checkpoint.digest import model_digest, state_digest
+
+    if ctx.rank == 0:  # the disk is slow where rank 0 writes the checkpoint
+        os.fsync = _slow_fsync(os.fsync, os.path.join(folder, "..", "disk-busy"))  # type: ignore[assignment]
+    ddpkit.seed_everything(7)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.2), nn.SiLU(), nn.Linear(16, 3))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=g)
+    data = TensorDataset(x, (x[:, :3] > 0).long().sum(1).clamp(max=2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+    trainer = ddpkit.Trainer(
+        model,
+        optimizer,
+        data,
+        ctx,
+        ddpkit.TrainConfig(epochs=1, batch_size=8, checkpoint_dir=folder, progress=False),
+        loss_fn=nn.functional.cross_entropy,
+        scheduler=scheduler,
+        log_fn=lambda s: None,
+    )
+    trainer.fit()  # rank 0 waits at its end for the flush; rank 1 then waits for rank 0
+    digests = [model_digest(trainer.model), state_digest(optimizer.state_dict())]
+    digests.append(state_digest(scheduler.state_dict()))
+    gathered = all_gather_object(digests)
+    assert all(d == gathered[0] for d in gathered), gathered
+    return gathered[0]
+
+
+@pytest.mark.slow
+def test_a_rank_flushing_a_checkpoint_to_a_slow_disk_is_not_stopped(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Bytes written (and time in uninterruptible sleep, on a real disk) are work: rank 0
+    # flushes, rank 1 waits for it in a collective; the job must not end as a hang.
+    start = time.monotonic()
+    launch(_fit_with_a_slow_flush, str(tmp_path / "ck"), nprocs=2, hang_timeout=HANG_TIMEOUT)
+    assert time.monotonic() - start >= _FLUSH_S
+    err = capfd.readouterr().err
+    assert "rank 0 is busy" in err, err
