@@ -93,8 +93,10 @@ class TrainConfig:
         0, "also evaluate every N optimizer steps (0: at epoch ends only)", ge=0, example=500
     )
     """Optimizer steps between evaluations of the eval set, for long epochs or a run by
-    `max_steps`; each is logged and may update the `keep_best` checkpoint. 0 evaluates
-    at epoch ends only (as it does anyway)."""
+    `max_steps`; each is logged and, as an epoch's end does, may update the `keep_best`
+    checkpoint, step a ReduceLROnPlateau and count for early stopping (`loss` is then the
+    epoch's mean training loss so far). 0 evaluates at epoch ends only (as it does
+    anyway)."""
     keep_best: str | None = _opt(
         None,
         "also keep the checkpoint with the best value of this metric, as best.pt",
@@ -103,7 +105,8 @@ class TrainConfig:
     """After each epoch or evaluation that improves this metric (lower is better,
     unless its name says accuracy or the like), checkpoint and keep that checkpoint as
     `best.pt` (or `best.dcp`) in `checkpoint_dir`, beside the `keep_last` newest ones.
-    Any metric of an epoch's line or of an evaluation; needs `checkpoint_dir`."""
+    `loss` or any metric of an evaluation (an evaluation's needs an eval set); needs
+    `checkpoint_dir`."""
     checkpoint_dir: str | None = _opt(
         None, "folder for checkpoints (none written without it)", example="DIR"
     )
@@ -222,13 +225,14 @@ class TrainConfig:
     but csv is an extra: `pip install 'ddpkit[wandb]'`. Needs `run_dir`. A list or a
     tuple; kept as a tuple."""
     early_stopping_patience: int | None = _opt(
-        None, "stop after N epochs without improvement", ge=1, example=3
+        None, "stop after N epochs (or evaluations) without improvement", ge=1, example=3
     )
-    """Stop after this many epochs in which `early_stopping_metric` did not improve;
-    None trains every epoch."""
+    """Stop after this many checks in which `early_stopping_metric` did not improve: one
+    at each epoch's end and, with `eval_every_steps`, one at each evaluation (so it also
+    acts in a run by `max_steps` over data that never ends). None trains every epoch."""
     early_stopping_metric: str = _opt("eval_loss", "the epoch metric early stopping watches")
-    """The epoch metric that early stopping watches (lower is better, unless its name
-    says accuracy or the like)."""
+    """The metric that early stopping watches (lower is better, unless its name says
+    accuracy or the like): `loss`, or an evaluation's, which needs an eval set."""
     progress: bool | None = _opt(
         None, "a progress bar on rank 0 (default: when stdout is a terminal)"
     )

@@ -259,7 +259,11 @@ class Trainer:
             batches (default: cross-entropy).
         eval_set: data evaluated after each epoch; every sample counts exactly once.
         scheduler: a learning-rate scheduler, stepped per epoch or per step
-            (`config.scheduler_interval`); or a factory `optimizer -> scheduler`.
+            (`config.scheduler_interval`); or a factory `optimizer -> scheduler`. A
+            `ReduceLROnPlateau` steps at each evaluation instead (epoch ends and
+            `config.eval_every_steps`), with the metric `config.keep_best` keeps, else
+            the one early stopping watches, else `eval_loss`; it needs an eval set, and
+            its `mode` must match that metric ("max" for accuracy and the like).
         train_sampler: your own sampler instead of ddpkit's DistributedSampler; it must
             shard by itself. Ranks may then get different numbers of batches (also with
             an IterableDataset); the ranks then agree on every step, so that none hangs
@@ -271,7 +275,9 @@ class Trainer:
             rules above, in training and in evaluation.
         metrics_fn: `metrics_fn(model, batch) -> {name: mean over the batch}`, called in
             evaluation; each is averaged over every sample of the eval set, all ranks
-            together, and reported as `eval_<name>`.
+            together, and reported as `eval_<name>` (your "accuracy" is
+            `eval_accuracy`, beside ddpkit's top-1 `accuracy`; "loss" and "samples" are
+            refused, as `eval_loss` and `eval_samples` are the evaluation's own).
         log_fn: where rank 0's progress lines go (default: print).
     """
 
