@@ -570,3 +570,90 @@ def test_callback_states_are_kept_by_name_and_old_lists_load_where_unambiguous()
     assert (fresh.best, fresh.bad_epochs) == (0.5, 2)
     with pytest.raises(CheckpointError, match="by position"):
         load_callback_states([_Counter()], old, Path("ckpt-000000001.pt"))
+
+
+# -- accumulation after a resume with another batch size (issue 43, D09) -------------------
+class _Scale(nn.Module):
+    """loss = mean(w * v): each step moves w (SGD, lr 1) by exactly the mean of the v
+    it trained on, when every sample of the step has its full weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        return (self.w * v).mean()
+
+
+def _fit_weighed(ctx: DistContext, folder: str, batch_size: int, crash: int | None) -> None:
+    """One epoch of 48 samples `(index, v = index + 1)` with accumulate 2; each rank
+    appends `step w indices...` lines to `folder/weights.<rank>` after every step."""
+    seed_everything(0)
+    model = _Scale()
+    pending: list[int] = []
+
+    def step(net: nn.Module, batch: Any) -> torch.Tensor:
+        index, v = batch
+        pending.extend(index.tolist())
+        out: torch.Tensor = net(v)
+        return out
+
+    class _Weigh(Callback):
+        def on_step_end(self, trainer: Trainer, at: int) -> None:
+            w = float(ddpkit.unwrap(trainer.model).w)
+            with open(Path(folder, f"weights.{ctx.rank}"), "a") as f:
+                f.write(" ".join(map(str, [at, w, *pending])) + "\n")
+            pending.clear()
+
+    config = TrainConfig(
+        epochs=1,
+        batch_size=batch_size,
+        accumulate=2,
+        checkpoint_dir=str(Path(folder, "ck")),
+        save_every_steps=1,
+        resume=crash is None,
+    )
+    data = TensorDataset(torch.arange(48), torch.arange(1, 49, dtype=torch.float32))
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        data,
+        ctx,
+        config,
+        training_step=step,
+        callbacks=[_Weigh(), _CrashAt(crash, by_steps=True)],
+        log_fn=lambda s: None,
+    )
+    trainer.fit()
+
+
+def test_a_resume_with_another_batch_size_steps_with_full_weight(tmp_path: Path) -> None:
+    # Batches of 4, accumulate 2, 2 ranks: 16 samples a step. Saved after step 1 (and
+    # crashed after step 2, unsaved), resumed with batches of 8: the 16 samples done
+    # are 1 batch of 8 per rank, so the first group started mid-group: one batch at half
+    # weight, then the epoch's last batch alone.
+    folder = str(tmp_path)
+    with pytest.raises((WorkerError, RuntimeError), match="crashed"):
+        launch(_fit_weighed, folder, 4, 2, nprocs=2)
+    for f in tmp_path.glob("weights.*"):
+        f.rename(f.with_name("cut-" + f.name))
+    launch(_fit_weighed, folder, 8, None, nprocs=2)
+
+    def steps(prefix: str) -> dict[int, tuple[float, list[int]]]:
+        out: dict[int, tuple[float, list[int]]] = {}
+        for f in tmp_path.glob(f"{prefix}weights.*"):
+            for line in f.read_text().splitlines():
+                at, w, *index = line.split()
+                seen = out.get(int(at), (float(w), []))[1]
+                out[int(at)] = float(w), seen + [int(i) for i in index]
+        return out
+
+    cut, resumed = steps("cut-"), steps("")
+    done = {1: cut[1]}  # what the checkpoint of step 1 holds
+    assert sorted(resumed) == [2]  # the 32 samples left are one step of 2 x 8 per rank
+    trained = [*done.values(), *resumed.values()]
+    assert sorted(i for _, index in trained for i in index) == list(range(48))
+    w = 0.0
+    for after, index in trained:  # each step moved w by the mean v of its samples
+        assert after == pytest.approx(w - sum(i + 1 for i in index) / len(index))
+        w = after

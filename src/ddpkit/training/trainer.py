@@ -612,7 +612,7 @@ class Trainer:
         micro_batches = (
             self._agreed_groups(progress, skip)
             if self._uneven or total is None
-            else _fixed_groups(progress, Accumulation(model, self.config.accumulate, total), skip)
+            else _fixed_groups(progress, self.config.accumulate, total, skip)
         )
         start = time.perf_counter()
         whole = True
@@ -1214,11 +1214,18 @@ class _Agreement:
 _Micro = tuple[Any, tuple[float, float | _Agreement], bool, int]
 
 
-def _fixed_groups(batch_iter: Iterable[Any], acc: Accumulation, skip: int) -> Iterator[_Micro]:
-    """Micro-batches of equal shards of known length: every rank steps after the same
-    batches, with no collective. A short last group is averaged over its own size."""
-    for i, batch in enumerate(batch_iter, start=skip):
-        yield batch, (1.0, float(acc.group_size(i))), acc.should_step(i), i + 1
+def _fixed_groups(batch_iter: Iterable[Any], k: int, total: int, skip: int) -> Iterator[_Micro]:
+    """Micro-batches of equal shards of known length (`total` in the epoch, the first
+    `skip` done): every rank steps after the same batches, with no collective. A short
+    last group is averaged over its own size.
+
+    Groups of `k` are counted from where the pass starts: a resume with another batch
+    size may start in the middle of a group of the saved run's count, and its first
+    group is then a whole one, not the rest of that group at a fraction of its weight
+    (with the batch size that saved, the pass starts after a whole group anyway)."""
+    acc = Accumulation(nn.Identity(), k, total - skip)  # only counts: nothing to skip
+    for i, batch in enumerate(batch_iter):
+        yield batch, (1.0, float(acc.group_size(i))), acc.should_step(i), skip + i + 1
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
