@@ -229,3 +229,45 @@ def test_uneven_shards_with_accumulation_train_sharded() -> None:
     )
     assert ranks[0] == ranks[1]
     assert ranks[0][0] == 2 * 3  # rank 1's 6 batches in groups of 2, each epoch
+
+
+def _evaluate_with_metrics(ctx: DistContext, strategy: str) -> list[Any]:
+    """The initial model's evaluation (9 samples, batches of 4: rank 0 has 2 batches,
+    rank 1 one) with a metrics_fn that runs the model again; every rank's metrics."""
+    from tests.test_trainer_features import _data, _mlp
+
+    ddpkit.seed_everything(0)
+
+    def metrics(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return {"mae": (model(x) - y).abs().mean(), "big": (model(2 * x) - y).abs().mean()}
+
+    trainer = ddpkit.Trainer(
+        _mlp(),
+        lambda params: torch.optim.AdamW(params, lr=0.01),
+        _data(24),
+        ctx,
+        TrainConfig(batch_size=4, strategy=strategy, progress=False),
+        loss_fn=nn.functional.mse_loss,
+        eval_set=_data(9),
+        metrics_fn=metrics,
+        log_fn=lambda s: None,
+    )
+    mine = trainer.evaluate()
+    if not ctx.distributed:
+        return [mine]
+    ranks: list[Any] = [None] * ctx.world_size
+    torch.distributed.all_gather_object(ranks, mine)
+    return ranks
+
+
+def test_uneven_eval_batches_with_a_metrics_fn_that_runs_the_model_evaluate_sharded() -> None:
+    # The rank with fewer batches stood in with the loss's forward alone, while rank 0
+    # ran a metrics_fn's forwards too: the ranks' gathers did not pair up, and it hung.
+    ranks = launch(_evaluate_with_metrics, "fsdp", nprocs=2, timeout=60, hang_timeout=20)
+    assert ranks[0] == ranks[1]
+    (alone,) = launch(_evaluate_with_metrics, "ddp", nprocs=1)
+    assert ranks[0]["eval_samples"] == alone["eval_samples"] == 9  # each sample once
+    assert ranks[0].keys() == alone.keys()
+    for name, value in alone.items():
+        assert ranks[0][name] == pytest.approx(value, rel=1e-5), name

@@ -783,8 +783,8 @@ class Trainer:
 
         Each sample is counted once (no padding), so ranks may hold one batch more than
         others. With DDP they run no collective per batch; under FSDP every forward
-        gathers parameters, so a rank with fewer batches runs its last one again
-        (uncounted). Call on every rank.
+        gathers parameters, so a rank with fewer batches runs a stand-in batch through
+        the same forwards (the loss's and metrics_fn's), uncounted. Call on every rank.
         """
         if self.eval_loader is None:
             raise ConfigError("evaluate() needs an eval_set: pass Trainer(..., eval_set=...)")
@@ -802,12 +802,10 @@ class Trainer:
                 batches += 1
                 n = count_samples(batch)
                 batch = to_device(batch, device)
-                with self.precision.autocast():
-                    loss, outputs = self._loss(model, batch)
-                    # Under the names they are reported by, apart from ddpkit's own loss
-                    # and top-1 accuracy: a metrics_fn's "accuracy" is eval_accuracy.
-                    own = self.metrics_fn(model, batch) if self.metrics_fn else {}
-                    values = {f"eval_{k}": v for k, v in own.items()}
+                loss, outputs, own = self._eval_forwards(model, batch)
+                # Under the names they are reported by, apart from ddpkit's own loss
+                # and top-1 accuracy: a metrics_fn's "accuracy" is eval_accuracy.
+                values = {f"eval_{k}": v for k, v in own.items()}
                 values["loss"] = loss
                 targets = batch[1] if self.training_step is None and is_pair(batch) else None
                 if _class_logits(outputs, targets):
@@ -868,7 +866,8 @@ class Trainer:
     def _gather_as_often_as_rank_0(self, model: nn.Module, batches: int) -> None:
         """Run uncounted forwards until this rank has run as many as rank 0, which holds
         the most eval batches (shards differ by at most one sample): FSDP's parameter
-        gathers must pair up over the ranks."""
+        gathers must pair up over the ranks. Each runs the loss's and metrics_fn's
+        forwards, as a real batch does (`_eval_forwards`)."""
         loader = cast(DataLoader[Any], self.eval_loader)
         shard = cast(ShardSampler, loader.sampler)
         longest = math.ceil(
@@ -888,8 +887,16 @@ class Trainer:
         )
         stand_in = to_device(next(iter(first)), self.ctx.device)
         for _ in range(longest - batches):
-            with self.precision.autocast():
-                self._loss(model, stand_in)
+            self._eval_forwards(model, stand_in)  # its results are dropped: weight 0
+
+    def _eval_forwards(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any, Any]:
+        """(loss, the model's outputs or None, metrics_fn's values) of one eval batch.
+        A stand-in batch runs exactly these forwards too, so that under FSDP every rank
+        gathers as often as the others, whatever metrics_fn does with the model."""
+        with self.precision.autocast():
+            loss, outputs = self._loss(model, batch)
+            own = self.metrics_fn(model, batch) if self.metrics_fn else {}
+        return loss, outputs, own
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
