@@ -333,3 +333,29 @@ def test_an_iterable_eval_set_is_refused_with_several_ranks() -> None:
     message = launch(_iterable_eval, nprocs=2)
     assert "IterableDataset cannot be an eval set" in message and "map-style" in message
     assert launch(_iterable_eval, nprocs=1) == "accepted"
+
+
+# -- D06: rank_zero_first may take longer than the collective timeout ------------------
+def _prepare_longer_than_the_timeout(ctx: DistContext, folder: str) -> list[int]:
+    import time
+
+    from ddpkit import rank_zero_first
+    from ddpkit.parallel.ranks import all_gather_object
+
+    cache = Path(folder) / "tokens.pt"
+    with rank_zero_first():
+        if ctx.rank == 0:
+            time.sleep(8)  # a download: longer than the 4 s any collective may wait
+            torch.save(torch.arange(10), cache)
+        tokens = torch.load(cache)  # rank 1 reads rank 0's cache
+    return all_gather_object(int(tokens.sum()))  # and the group still works
+
+
+@pytest.mark.slow
+def test_rank_zero_first_longer_than_the_collective_timeout_finishes(tmp_path: Path) -> None:
+    # The others' wait has no deadline: "never stopped" holds on gloo as on NCCL, whose
+    # timeout is the hang timeout less 30 s.
+    sums = launch(
+        _prepare_longer_than_the_timeout, str(tmp_path), nprocs=2, timeout=4, hang_timeout=4
+    )
+    assert sums == [45, 45]

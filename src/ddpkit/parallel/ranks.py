@@ -16,6 +16,7 @@ import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar, overload
 
 import torch
@@ -265,6 +266,8 @@ def gather_for_metrics(values: Any, loader: Any = None) -> Any:
 
 
 def _gather_batch(tensors: list[torch.Tensor], loader: Any) -> list[torch.Tensor]:
+    from ddpkit.parallel.data import epoch_length
+
     world = _group_size()
     if world == 1:
         return tensors
@@ -295,13 +298,16 @@ def _gather_batch(tensors: list[torch.Tensor], loader: Any) -> list[torch.Tensor
         # A new pass (set_epoch was called, or the loader started over), even if the
         # last one broke off before its end.
         state.done, state.epoch, state.passes = 0, epoch, passes
-    # Rank r's j-th sample of the pass sits at position r + world * j of the sampler's
-    # padded order; positions past the end of the dataset are the padding's repeats.
+    # Rank r's j-th sample of the pass sits at position first + r + world * j of the
+    # sampler's padded order, where a pass resumed mid-epoch starts `first` samples in
+    # (ddpkit's loader says where); positions past the epoch's end are the padding's
+    # repeats.
+    first = getattr(loader, "pass_start", 0) + world * getattr(loader, "pass_skipped", 0)
     j = torch.arange(longest, device=device).unsqueeze(1)  # (longest, 1)
     r = torch.arange(world, device=device).unsqueeze(0)  # (1, world)
-    position = r + world * (j + state.done)  # (longest, world): sample-major, rank-minor
+    position = first + r + world * (j + state.done)  # (longest, world): sample-major
     present = j < torch.tensor(sizes, device=device)
-    keep = present & (position < len(sampler.dataset))  # type: ignore[arg-type]
+    keep = present & (position < epoch_length(sampler))
     state.done += longest
     if state.done >= _samples_per_pass(sampler, loader):
         state.done = 0
@@ -310,7 +316,8 @@ def _gather_batch(tensors: list[torch.Tensor], loader: Any) -> list[torch.Tensor
 
 
 def _samples_per_pass(sampler: DistributedSampler[Any], loader: Any) -> int:
-    per_rank = len(sampler)
+    # A pass of ddpkit's loader may start mid-epoch (a resume): it says its length.
+    per_rank = getattr(loader, "pass_length", None) or len(sampler)
     batch = getattr(loader, "batch_size", None)
     if getattr(loader, "drop_last", False) and batch:
         per_rank -= per_rank % batch  # the loader drops each rank's short last batch
@@ -350,21 +357,40 @@ def rank_zero_first(ctx: DistContext | None = None) -> Iterator[None]:
             data = load_or_prepare("data/")  # rank 0 prepares, the others read its cache
 
     Call it on every rank (it holds a barrier). The others' wait is expected, so the
-    hang diagnosis prints no notice about it, however long rank 0 takes. With one
-    process it just runs the body. `ctx` is accepted as everywhere in ddpkit, and
-    not needed: the process group knows which rank is 0.
+    hang diagnosis prints no notice about it, however long rank 0 takes, and it has no
+    deadline: a download longer than the collective timeout (`launch(timeout=...)`, or
+    NCCL's, which is below the hang timeout) fails nothing. With one process it just
+    runs the body. `ctx` is accepted as everywhere in ddpkit, and not needed: the
+    process group knows which rank is 0.
     """
     if _group_size() == 1:
         yield
         return
+    waits = _untimed_group()
     if _group_rank() == 0:
         with expect("work"):
             yield
-        dist.barrier()
+        dist.barrier(group=waits)
     else:
         with expect("wait"):
-            dist.barrier()
+            dist.barrier(group=waits)
         yield
+
+
+# The process group `rank_zero_first` waits in: gloo (a barrier on the CPU, whatever
+# the devices) with a timeout no download reaches, beside the default group it was
+# made for (a group destroyed with it is never reused for the next one).
+_UNTIMED: list[Any] = []
+_NO_DEADLINE = timedelta(days=365)
+
+
+def _untimed_group() -> Any:
+    """A group of every rank whose collectives wait `_NO_DEADLINE`. Making it is a
+    collective of its own, quick here, where every rank enters `rank_zero_first`."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _UNTIMED or _UNTIMED[0] is not world:
+        _UNTIMED[:] = [world, dist.new_group(backend="gloo", timeout=_NO_DEADLINE)]
+    return _UNTIMED[1]
 
 
 Number = float | int | torch.Tensor
