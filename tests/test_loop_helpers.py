@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import ddpkit
@@ -530,3 +530,49 @@ def _without_ctx(ctx: DistContext, folder: str) -> dict[str, Any]:
 def test_the_helpers_find_ctx_themselves_on_two_ranks(tmp_path: Path) -> None:
     out = launch(_without_ctx, str(tmp_path), nprocs=2)
     assert out == {"sum": 3.0, "mean": 0.5, "batches": 2, "wrapped": True, "step": 2}
+
+
+# -- gather_for_metrics after a mid-epoch resume --------------------------------------------
+def _resumed_gathers(ctx: DistContext, folder: str, stop: int | None, batch: int) -> Any:
+    """One epoch over 15 indexed samples in batches of `batch` (DistributedSampler pads
+    16 - 15 = 1 repeat), each batch's indices gathered with the loader; saves and stops
+    after step `stop`. Then gathers the indices of a 7-sample padded eval loader.
+    Returns (trained indices gathered in this run, eval indices), or None when stopped."""
+    ddpkit.seed_everything(0)
+    model: nn.Module = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.2), nn.Linear(4, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model = ddpkit.prepare_model(model, ctx)
+    data = TensorDataset(torch.randn(15, 3), torch.arange(15))
+    loader = ddpkit.prepare_loader(data, ctx, batch_size=batch, seed=2)
+    eval_set = TensorDataset(torch.randn(7, 3), torch.arange(7))
+    evaluation = ddpkit.prepare_loader(DataLoader(eval_set, batch_size=2), ctx)  # padded
+    start = ddpkit.load_state(folder, model=model, optimizer=opt, loader=loader)
+    start = start or {"epoch": 0, "batch": 0, "step": 0}
+    step, trained = start["step"], []
+    loader.set_epoch(0)
+    for done, (x, index) in enumerate(loader, start=start["batch"] + 1):
+        trained += ddpkit.gather_for_metrics(index, loader).tolist()
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        step += 1
+        if step == stop:
+            ddpkit.save_state(folder, model=model, optimizer=opt, loader=loader, epoch=0,
+                              batch=done, step=step)  # fmt: skip
+            return trained
+    seen = [i for _, index in evaluation for i in ddpkit.gather_for_metrics(index, evaluation)]
+    return trained, [int(i) for i in seen]
+
+
+@pytest.mark.parametrize("batch_after", [2, 3])  # the saved batch size, and another
+def test_gather_for_metrics_after_a_mid_epoch_resume_drops_the_padding(
+    tmp_path: Path, batch_after: int
+) -> None:
+    _, straight_eval = launch(_resumed_gathers, str(tmp_path / "straight"), None, 2, nprocs=2)
+    assert sorted(straight_eval) == list(range(7))
+    folder = str(tmp_path / "resumed")
+    before = launch(_resumed_gathers, folder, 2, 2, nprocs=2)  # 8 of the 15 samples
+    after, resumed_eval = launch(_resumed_gathers, folder, None, batch_after, nprocs=2)
+    assert len(before) == 8
+    assert sorted(before + after) == list(range(15))  # each once: the padding's repeat dropped
+    assert resumed_eval == straight_eval  # the eval set: 7 samples, as without the resume

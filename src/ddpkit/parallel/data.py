@@ -56,6 +56,10 @@ class DistributedLoader(DataLoader[Any]):
     # Samples of the epoch's global order that the pass under way skipped (see
     # batches_after): where its batches stand in the epoch, for a checkpoint.
     pass_start: int = 0
+    # This rank's samples skipped at the pass's start (a resume's `skip`) and in the
+    # pass: where its batches stand in the sampler's padded order (gather_for_metrics).
+    pass_skipped: int = 0
+    pass_length: int | None = None
     _resume_plan: tuple[int, dict[str, Any] | None] | None = None  # see resume_at
 
     @property
@@ -85,6 +89,9 @@ class DistributedLoader(DataLoader[Any]):
     def __iter__(self) -> _BaseDataLoaderIter:
         plan, self._resume_plan = self._resume_plan, None
         self.pass_start = getattr(self.sampler, "global_start", 0)
+        self.pass_skipped = getattr(self.sampler, "start", 0)
+        sampler = self.sampler  # a stream's has no length
+        self.pass_length = len(sampler) if isinstance(sampler, _Positioned) else None
         batches = super().__iter__()
         if plan is not None:
             read_past, rng = plan
