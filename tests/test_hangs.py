@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit import Callback, DistContext, TrainConfig, Trainer, launch
 from ddpkit.errors import ConfigError, HangError
+from ddpkit.parallel.fsdp import cpu_supported
 from ddpkit.processes.watchdog import _user_frame, describe
 from tests.conftest import ROOT, run_cli
 from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
@@ -59,6 +60,15 @@ def _recv_never_sent(ctx: DistContext) -> None:
     dist.barrier()
 
 
+def _irecv_never_sent(ctx: DistContext) -> None:
+    if ctx.rank == 0:
+        work = dist.irecv(torch.zeros(3), src=1)  # isend and irecv are left unwrapped
+        assert work is not None
+        work.wait()
+    else:
+        threading.Event().wait()
+
+
 def _sleep_forever(ctx: DistContext) -> None:
     if ctx.rank == 0:
         time.sleep(10**6)
@@ -76,12 +86,20 @@ def _sleep_forever(ctx: DistContext) -> None:
             _sleep_forever,
             ["rank 1: in barrier", "rank 0: not in a collective: idle (no CPU", "time.sleep"],
         ),
+        (
+            _irecv_never_sent,
+            [
+                "rank 0: in wait() of an isend/irecv (collective #",
+                "rank 1: not in a collective: idle (no CPU",
+            ],
+        ),
     ],
 )
 def test_a_true_hang_is_stopped_within_the_hang_timeout(fn: object, words: list[str]) -> None:
     start = time.monotonic()
     with pytest.raises(HangError) as info:
-        launch(fn, nprocs=2, hang_timeout=HANG_TIMEOUT)  # type: ignore[arg-type]
+        # The collective timeout bounds a hang that the watch would miss.
+        launch(fn, nprocs=2, hang_timeout=HANG_TIMEOUT, timeout=30)  # type: ignore[arg-type]
     assert time.monotonic() - start < HANG_TIMEOUT + 10 + 5  # + start-up
     text = f"{info.value.summary}\n{info.value.stacks}"
     for word in words:
@@ -296,7 +314,7 @@ def _stuck_before_backward(ctx: DistContext, marker: str) -> None:
         if ctx.rank == 1 and step == 2:
             Path(marker).write_text(str(time.time()))
             threading.Event().wait()  # rank 1 never calls backward
-        loss.backward()  # rank 0 waits here, in DDP's all-reduce of the gradients
+        loss.backward()  # type: ignore[no-untyped-call]  # rank 0 waits here, in DDP's all-reduce
         opt.step()
         opt.zero_grad()
 
@@ -311,7 +329,7 @@ def test_a_rank_stuck_before_backward_while_another_waits_in_ddps_all_reduce_is_
         launch(_stuck_before_backward, str(marker), nprocs=2, hang_timeout=HANG_TIMEOUT, timeout=30)
     assert time.time() - float(marker.read_text()) < HANG_TIMEOUT + 10
     summary, stacks = info.value.summary, info.value.stacks
-    backward = _line_of(Path(__file__), "loss.backward()  # rank 0 waits here")
+    backward = _line_of(Path(__file__), "# rank 0 waits here, in DDP")
     stuck = _line_of(Path(__file__), "threading.Event().wait()  # rank 1 never")
     _assert_ddp_wait_named(summary, f"{__file__}:{backward}", f"{__file__}:{stuck}")
     assert "rank 1 stayed at one line without using the CPU" in summary
@@ -351,7 +369,7 @@ def _long_backward_on_rank_1(ctx: DistContext, seconds: float) -> str:
         while time.monotonic() - start < seconds / 2:  # the backward costs twice the forward
             chain = (chain @ weight) / size**0.5
         loss = loss + 0 * chain.sum()
-    loss.backward()  # rank 0 waits here for rank 1, which computes its long backward
+    loss.backward()  # type: ignore[no-untyped-call]  # rank 0 waits for rank 1's
     digest = torch.cat([p.detach().flatten() for p in model.parameters()])
     gathered = [torch.zeros_like(digest) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, digest)
@@ -412,3 +430,28 @@ def test_a_hang_in_ddps_all_reduce_of_a_scripts_own_ddp_is_stopped_under_run(
     stuck = _line_of(script, "threading.Event().wait()")
     _assert_ddp_wait_named(summary, f"{script}:{backward}", f"{script}:{stuck}")
     assert "threading.Event().wait()" in summary.split("Python stack of rank 1")[-1]
+
+
+def _clip_while_a_rank_is_stuck(ctx: DistContext) -> None:
+    ddpkit.seed_everything(3)
+    net = nn.Sequential(nn.Linear(16, 16), nn.SiLU(), nn.Linear(16, 16), nn.Linear(16, 1))
+    model = ddpkit.prepare_model(net, ctx, strategy="fsdp", fsdp={"min_params": 100})
+    loss = nn.functional.l1_loss(model(torch.randn(8, 16)), torch.zeros(8, 1))
+    loss.backward()  # type: ignore[no-untyped-call]
+    if ctx.rank == 1:
+        threading.Event().wait()  # rank 1 never clips
+    # The total norm of DTensor gradients: an all-reduce from C++, waited on from C++.
+    nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # rank 0 waits here
+
+
+@pytest.mark.skipif(not cpu_supported(), reason="FSDP2 on CPU ranks needs torch >= 2.7")
+def test_a_rank_waiting_in_fsdps_gradient_clipping_is_seen_there() -> None:
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        launch(_clip_while_a_rank_is_stuck, nprocs=2, hang_timeout=HANG_TIMEOUT, timeout=30)
+    assert time.monotonic() - start < HANG_TIMEOUT + 10 + 5
+    summary = info.value.summary
+    line = _line_of(Path(__file__), "0.5)  # rank 0 waits here")
+    assert "rank 0: in a DTensor collective (functional collectives: FSDP's gradient " in summary
+    assert f"at {__file__}:{line} in _clip_while" in summary, summary
+    assert "rank 1 stayed at one line without using the CPU" in summary
