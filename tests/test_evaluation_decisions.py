@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -154,7 +154,7 @@ def _trainer(config: TrainConfig, **kw: Any) -> Trainer:
     )
 
 
-def _plateau(mode: str = "min") -> Any:
+def _plateau(mode: Literal["min", "max"] = "min") -> Any:
     return lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode=mode)
 
 
