@@ -93,7 +93,6 @@ KNOWN_DEFECTS: dict[str, str] = {
         for s in ("ddp", "fsdp")
         for f in ("uneven_map", "uneven_accumulate", "uneven_iterable")
     },
-    "test_cell[fsdp-metrics_fn]": "D08: FSDP + uneven eval batches + a metrics_fn hangs",
 }
 
 HANG_TIMEOUT = 10  # launch's hang watch: a certain hang is stopped after this
