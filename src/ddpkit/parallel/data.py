@@ -472,8 +472,10 @@ def prepare_loader(
             Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
         persistent_workers: keep the workers alive between epochs.
         prefetch_factor: batches each worker loads ahead (DataLoader's default if None).
-        timeout, multiprocessing_context, in_order, pin_memory_device: as DataLoader's
-            (the last two with workers, and with pinning, only).
+        timeout: seconds to wait for a batch from the workers, as DataLoader's.
+        multiprocessing_context: how the workers start, as DataLoader's (with workers only).
+        in_order: as DataLoader's: False lets workers hand batches back out of order.
+        pin_memory_device: the device to pin memory for, as DataLoader's (with pinning only).
 
     Returns:
         A `DataLoader` with a `set_epoch(epoch)` method.
