@@ -455,3 +455,21 @@ def test_a_rank_waiting_in_fsdps_gradient_clipping_is_seen_there() -> None:
     assert "rank 0: in a DTensor collective (functional collectives: FSDP's gradient " in summary
     assert f"at {__file__}:{line} in _clip_while" in summary, summary
     assert "rank 1 stayed at one line without using the CPU" in summary
+
+
+def test_a_main_thread_blocked_in_autograds_engine_is_in_ddps_all_reduce() -> None:
+    # The frame a sample finds while the engine waits on DDP's all-reduce from C++; a
+    # Python hook of the backward (the user's code) is not such a wait.
+    from ddpkit.processes.watchdog import GRADIENT_ALL_REDUCE, native_wait
+
+    seen: list[str | None] = []
+    weight = torch.ones(2, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.extend([native_wait(sys._getframe().f_back), native_wait(sys._getframe())])
+        return grad
+
+    weight.register_hook(hook)  # type: ignore[no-untyped-call]
+    (weight * 3).sum().backward()  # type: ignore[no-untyped-call]
+    assert seen == [GRADIENT_ALL_REDUCE, None]
+    assert native_wait(sys._getframe()) is None

@@ -11,8 +11,10 @@ merely exists is no such sign: idle DataLoader workers must not keep a hang aliv
 Collectives are recorded by wrapping the `torch.distributed` functions a script (or
 FSDP) calls, and the `wait()` of the work an `async_op=True` call returns, which gives
 gloo on CPU what NCCL's flight recorder gives on GPUs: which collective, in which order,
-called from which line. A rank that raises writes `rank<N>.error.json`; a rank that
-returns says it has finished.
+called from which line. The collectives that torch waits on from C++ (DDP's gradient
+all-reduce inside `backward()`, DTensor's) are known by where the main thread sits
+while the rank uses no CPU (`native_wait`). A rank that raises writes
+`rank<N>.error.json`; a rank that returns says it has finished.
 """
 
 from __future__ import annotations
