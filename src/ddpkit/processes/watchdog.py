@@ -202,10 +202,8 @@ class CollectiveTracker:
     def __init__(self) -> None:
         self.count = 0
         self.current: dict[str, Any] | None = None
-        # The number (`seq`) of the last gradient all-reduce that a DDP forward prepared
-        # for its backward (0: none yet). Counted among the collectives, in the order of
-        # the forwards, so that every rank gives the same step's the same number.
-        self.gradient_sync = 0
+        # The DDP models of this process (see _note_ddp_models), held weakly.
+        self.ddp_models: weakref.WeakSet[Any] = weakref.WeakSet()
         self._work_type: type | None = None
         self._pending: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
@@ -224,32 +222,31 @@ class CollectiveTracker:
             if not getattr(wait, "_ddpkit_tracked", False):
                 # On the class: torch's own code (FSDP) calls it on the work it holds.
                 setattr(work, "wait", self._wrap_wait(wait))  # noqa: B010
-        self._count_gradient_syncs()
+        self._note_ddp_models()
 
-    def _count_gradient_syncs(self) -> None:
-        """Count each DDP forward that prepares a gradient all-reduce (the Reducer's,
-        from C++ in the backward to come): on the class, so that a script's own DDP is
-        counted too. The all-reduce itself, comm hook and all, is left as it is."""
-        import torch
+    def _note_ddp_models(self) -> None:
+        """Keep each DDP model that this process builds (ddpkit's wrap, or a script's
+        own `DistributedDataParallel`): a backward idle in C++ waits in its gradient
+        all-reduce unless none syncs (`no_sync()`). Only the constructor is wrapped: the
+        training step (and torch.compile, which leaves DDP's forward alone) is not."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        original: Callable[..., Any] = DDP.forward
+        original: Callable[..., None] = DDP.__init__
         if getattr(original, "_ddpkit_tracked", False):
             return
 
         @functools.wraps(original)
-        def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-            # DDP's own test for a forward whose backward syncs (`no_sync()` and
-            # `torch.no_grad()` do not).
-            if module.require_backward_grad_sync and torch.is_grad_enabled():
-                self.count += 1
-                self.gradient_sync = self.count
-            return original(module, *args, **kwargs)
+        def init(module: Any, *args: Any, **kwargs: Any) -> None:
+            original(module, *args, **kwargs)
+            self.ddp_models.add(module)
 
-        forward._ddpkit_tracked = True  # type: ignore[attr-defined]
-        # torch.compile leaves DDP's forward to run as it is (compiling the module
-        # inside): so it must leave this wrapper too, and not trace the count.
-        DDP.forward = torch.compiler.disable(forward, recursive=False)  # type: ignore[method-assign,no-untyped-call]
+        init._ddpkit_tracked = True  # type: ignore[attr-defined]
+        setattr(DDP, "__init__", init)  # noqa: B010
+
+    def syncs_gradients(self) -> bool:
+        """Whether a DDP model of this process all-reduces its gradients in the next
+        backward (one not inside `no_sync()`)."""
+        return any(model.require_backward_grad_sync for model in list(self.ddp_models))
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -537,15 +534,14 @@ class Watchdog:
         (native_wait) and the rank used no CPU since the last sample: a long backward
         that computes is work, never a wait. None otherwise."""
         name = native_wait(frame) if not working else None
-        if name == GRADIENT_ALL_REDUCE and not self.tracker.gradient_sync:
-            name = None  # a backward with nothing to all-reduce (no DDP forward before it)
+        if name == GRADIENT_ALL_REDUCE and not self.tracker.syncs_gradients():
+            name = None  # a backward with nothing to all-reduce (no DDP, or no_sync())
         if name is not None and frame is not None and not self._native_is(name, now):
             import torch.distributed as dist
 
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                # Its own number if DDP's forward counted it; else the next one's.
-                seq = self.tracker.gradient_sync if name == GRADIENT_ALL_REDUCE else 0
-                record = _call_at(frame, name=name, seq=seq or self.tracker.count + 1)
+                # The next collective's number: the same on every rank at this step.
+                record = _call_at(frame, name=name, seq=self.tracker.count + 1)
                 # Idle at this line since it last worked or moved.
                 record["since"] = max(self._active, self._moved)
                 self._native = record
