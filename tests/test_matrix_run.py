@@ -68,15 +68,10 @@ if __name__ == "__main__":
 """
 
 # Cells that fail on a known defect: xfail(strict=True) until its fix lands (as
-# test_matrix.KNOWN_DEFECTS). Found by this column: a torchrun-style script's Trainer
-# installs no stop-signal handler (only launch's and ddpkit train's workers have one),
-# so the SIGTERM kills rank 1 unsaved: without flags the run ends 1 blaming rank 0,
-# with --max-restarts it restarts and ends 0, under --audit=strict it ends 0 or 1.
-_NO_HANDLER = (
-    "found by the matrix: under ddpkit run a torchrun-style script's Trainer does not "
-    "save on SIGTERM; the worker dies unsaved and the run never ends with 75"
-)
-KNOWN_DEFECTS = {"restarts-preempted": _NO_HANDLER, "strict-preempted": _NO_HANDLER}
+# test_matrix.KNOWN_DEFECTS). None now: the preempted cells failed until the Trainer's
+# fit routed the stop signals to its save where no launch worker had (a torchrun-style
+# script's rank 1 died unsaved on the SIGTERM: --max-restarts restarted it, 0 != 75).
+KNOWN_DEFECTS: dict[str, str] = {}
 
 
 def _cell(flags: tuple[str, ...], ending: str, code: int, name: str) -> Any:

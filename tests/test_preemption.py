@@ -723,3 +723,176 @@ def test_ddpkit_run_with_restarts_ends_a_preempted_job_with_75(tmp_path: Path) -
     assert "trained to the end" not in proc.stdout
     said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: ")]
     assert len(said) == 1 and re.match(r"ddpkit: stopped by SIGTERM after step \d+", said[0]), said
+
+
+# A script written for torchrun: its own init_process_group, the Trainer on
+# DistContext.current(). Dict batches with noise drawn per sample, dropout, AdamW and a
+# per-step scheduler. With "signal", rank 1 sends itself a SIGTERM after step 5 of the
+# first attempt; every rank writes the step it saved at (from Preempted), and a run that
+# ends writes each rank's model, optimizer and scheduler state.
+TORCHRUN_TRAINER_JOB = """
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.errors import Preempted
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(11)
+        self.x = torch.randn(80, 7, generator=g)
+        self.y = torch.sin(self.x[:, :3].sum(1, keepdim=True))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        # Augmentation from this rank's stream: a resume must restore it as it was.
+        return {"x": self.x[i] + 0.05 * torch.randn(7), "y": self.y[i]}
+
+
+def step(model, batch):
+    return nn.functional.smooth_l1_loss(model(batch["x"]), batch["y"])
+
+
+class TermOnce(ddpkit.Callback):
+    def __init__(self, mark):
+        self.mark = mark
+
+    def on_step_end(self, trainer, step):
+        if step == 5 and trainer.ctx.rank == 1 and not os.path.exists(self.mark):
+            open(self.mark, "w").close()
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    folder, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    ctx = ddpkit.DistContext.current()
+    ddpkit.seed_everything(5)
+    model = nn.Sequential(nn.Linear(7, 16), nn.Dropout(0.2), nn.GELU(), nn.Linear(16, 1))
+    config = ddpkit.TrainConfig(
+        epochs=40, batch_size=4, checkpoint_dir=folder, resume=mode == "resume",
+        scheduler_interval="step", progress=False,
+    )
+    trainer = ddpkit.Trainer(
+        model,
+        lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.01),
+        Noisy(),
+        ctx,
+        config,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=7, gamma=0.9),
+        training_step=step,
+        callbacks=[TermOnce(folder + ".signalled")] if mode == "signal" else [],
+        log_fn=lambda s: None,
+    )
+    try:
+        trainer.fit()
+    except Preempted as exc:
+        with open(os.path.join(out, f"rank{ctx.rank}.preempted.json"), "w") as f:
+            json.dump({"step": exc.step, "checkpoint": str(exc.checkpoint)}, f)
+        raise
+    finally:
+        dist.destroy_process_group()
+    torch.save(
+        {
+            "model": ddpkit.unwrap(trainer.model).state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.scheduler.state_dict(),
+        },
+        os.path.join(out, f"rank{ctx.rank}.pt"),
+    )
+"""
+
+
+def _assert_same_state(a: object, b: object, where: str) -> None:
+    """`a` and `b` (nested dicts and lists of tensors and plain values) are bit-identical."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.slow
+def test_a_torchrun_style_trainer_under_ddpkit_run_saves_on_sigterm_and_resumes(
+    tmp_path: Path,
+) -> None:
+    # No launch: the script makes its own process group, so no worker of launch's has
+    # installed the stop-signal handler; the Trainer's fit must save on the signal.
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_TRAINER_JOB)
+    outs = {name: tmp_path / name for name in ("stopped", "straight")}
+    for out in outs.values():
+        out.mkdir()
+    folder = tmp_path / "ck"
+
+    def run(folder: Path, out: Path, mode: str) -> subprocess.CompletedProcess[str]:
+        return run_cli(
+            *("run", "--nproc", "2", str(script), str(folder), str(out), mode),
+            timeout=120,
+            env={"OMP_NUM_THREADS": "1"},
+        )
+
+    stopped = run(folder, outs["stopped"], "signal")
+    assert (tmp_path / "ck.signalled").exists(), stopped.stderr
+    assert stopped.returncode == PREEMPTED_EXIT, stopped.stdout + stopped.stderr
+    said = [line for line in stopped.stderr.splitlines() if line.startswith("ddpkit: ")]
+    assert len(said) == 1 and re.match(r"ddpkit: stopped by SIGTERM after step \d+", said[0]), said
+    saved = [json.loads((outs["stopped"] / f"rank{r}.preempted.json").read_text()) for r in (0, 1)]
+    assert saved[0] == saved[1], saved  # the same step, the same checkpoint
+    assert Path(saved[0]["checkpoint"]).is_file()
+    assert Path(saved[0]["checkpoint"]).name == f"ckpt-{saved[0]['step']:09d}.pt"
+    resumed = run(folder, outs["stopped"], "resume")
+    straight = run(tmp_path / "ck-straight", outs["straight"], "straight")
+    assert resumed.returncode == straight.returncode == 0, resumed.stderr + straight.stderr
+    finals = {
+        name: [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+        for name, out in outs.items()
+    }
+    for rank in (0, 1):
+        _assert_same_state(finals["stopped"][rank], finals["straight"][rank], f"rank {rank}")
+    _assert_same_state(finals["straight"][0], finals["straight"][1], "rank 0 against rank 1")
+
+
+def test_a_saving_loop_routes_only_the_stop_signals_nobody_chose_and_puts_them_back() -> None:
+    # A process no launch worker prepared (a script with its own process group): the
+    # loop that saves routes the signals still at Python's defaults to its save, for
+    # its time only; a handler of the script's own stays.
+    from ddpkit.processes import preemption
+
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGUSR1, mine)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with preemption.saving_on_signal():
+            assert signal.getsignal(signal.SIGTERM) is preemption._on_signal
+            assert signal.getsignal(signal.SIGINT) is preemption._on_signal
+            assert signal.getsignal(signal.SIGUSR1) is mine
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not the end of this process
+            assert preemption.requested() == signal.SIGTERM
+        assert preemption.requested() == 0
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

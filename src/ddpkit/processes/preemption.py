@@ -157,10 +157,27 @@ def restore_handlers(previous: dict[int, Any]) -> None:
         signal.signal(signum, handler)
 
 
+# What a signal does where nobody chose: Python's defaults (SIGINT: KeyboardInterrupt).
+_DEFAULT_HANDLERS = {
+    signal.SIGTERM: signal.SIG_DFL,
+    signal.SIGUSR1: signal.SIG_DFL,
+    signal.SIGINT: signal.default_int_handler,
+}
+
+
 @contextlib.contextmanager
 def saving_on_signal() -> Iterator[None]:
     """While inside, a stop signal is recorded (see `requested`) instead of stopping
-    this process: the loop inside promises to poll it and save."""
+    this process: the loop inside promises to poll it and save.
+
+    The workers of `launch` and `ddpkit train` route the stop signals here from their
+    start. A process that nobody prepared (a script that makes its own process group,
+    under `ddpkit run`, torchrun or python) gets the same for the time inside: each of
+    SIGTERM, SIGUSR1 and SIGINT that still does Python's default is routed here, and
+    put back on the way out. A handler of the script's own, or SIG_IGN, stays."""
+    current = {s: signal.getsignal(s) for s in _DEFAULT_HANDLERS}
+    unset = tuple(s for s, h in current.items() if h is _DEFAULT_HANDLERS[s])
+    previous = install_handlers(unset) if unset else {}
     _FLAG.listeners += 1
     try:
         yield
@@ -168,6 +185,7 @@ def saving_on_signal() -> Iterator[None]:
         _FLAG.listeners -= 1
         if not _FLAG.listeners:
             _FLAG.signum = _FLAG.interrupts = 0
+        restore_handlers(previous)
 
 
 # Seconds between two stop votes: a vote is one small all-reduce (about 1 ms on gloo),
