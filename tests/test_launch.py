@@ -557,3 +557,137 @@ def test_run_and_train_declare_the_process_flags_once() -> None:
         declared = [line.split()[0] for line in out.splitlines() if line.startswith("  --")]
         assert declared.count("--hang-timeout") == declared.count("--nproc") == 1, command
         assert "stop the job and show every rank's stack" in out, command
+
+
+# -- a script's own destroy_process_group (issue 42, item 1) -----------------------------
+
+# The DDP tutorial's multigpu.py as a user ports it: mp.spawn(main, ...) becomes
+# ddpkit.launch(main, ...), ddp_setup() goes (the group exists), and main still ends with
+# destroy_process_group(). The job: dict batches, dropout, AdamW and a scheduler; the data
+# is made under rank_zero_first, whose own group the script's destroy ends too.
+_TUTORIAL_SCRIPT = textwrap.dedent(
+    """
+    import argparse
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import Dataset, DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed import destroy_process_group
+    import ddpkit
+    from ddpkit.checkpoint.digest import model_digest, state_digest
+
+
+    class MyTrainDataset(Dataset):
+        def __init__(self, size):
+            g = torch.Generator().manual_seed(3)
+            self.rows = [{"x": torch.rand(12, generator=g), "y": torch.rand(2, generator=g)}
+                         for _ in range(size)]
+        def __len__(self):
+            return len(self.rows)
+        def __getitem__(self, index):
+            return self.rows[index]
+
+
+    class Trainer:
+        def __init__(self, model, train_data, optimizer, scheduler, gpu_id, save_every):
+            self.gpu_id = gpu_id
+            self.model = DDP(model)
+            self.train_data = train_data
+            self.optimizer = optimizer
+            self.scheduler = scheduler
+            self.save_every = save_every
+
+        def _run_batch(self, batch):
+            self.optimizer.zero_grad()
+            loss = F.mse_loss(self.model(batch["x"]), batch["y"])
+            loss.backward()
+            self.optimizer.step()
+
+        def _run_epoch(self, epoch):
+            b_sz = len(next(iter(self.train_data))["x"])
+            steps = len(self.train_data)
+            print(f"[GPU{self.gpu_id}] Epoch {epoch} | Batchsize: {b_sz} | Steps: {steps}")
+            self.train_data.sampler.set_epoch(epoch)
+            for batch in self.train_data:
+                self._run_batch(batch)
+            self.scheduler.step()
+
+        def train(self, max_epochs):
+            for epoch in range(max_epochs):
+                self._run_epoch(epoch)
+
+
+    def main(ctx, save_every, total_epochs, batch_size):
+        torch.manual_seed(0)
+        with ddpkit.rank_zero_first(ctx):
+            dataset = MyTrainDataset(48)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(12, 16), torch.nn.Dropout(0.2), torch.nn.ReLU(), torch.nn.Linear(16, 2)
+        )
+        torch.manual_seed(100 + ctx.rank)  # each rank its own dropout
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        loader = DataLoader(dataset, batch_size=batch_size, shuffle=False,
+                            sampler=DistributedSampler(dataset))
+        trainer = Trainer(model, loader, optimizer, scheduler, ctx.rank, save_every)
+        trainer.train(total_epochs)
+        mine = (model_digest(model), state_digest(optimizer.state_dict()),
+                state_digest(scheduler.state_dict()))
+        every = [None] * ctx.world_size
+        dist.all_gather_object(every, mine)
+        destroy_process_group()
+        return every
+
+
+    if __name__ == "__main__":
+        parser = argparse.ArgumentParser(description="simple distributed training job")
+        parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
+        parser.add_argument("save_every", type=int, help="How often to save a snapshot")
+        parser.add_argument("--batch_size", default=32, type=int)
+        args = parser.parse_args()
+        every = ddpkit.launch(main, args.save_every, args.total_epochs, args.batch_size, nprocs=2)
+        print("ranks agree:", len(every) == 2 and len(set(every)) == 1)
+    """
+)
+
+
+def test_a_script_that_destroys_its_process_group_itself_ends_cleanly(tmp_path: Path) -> None:
+    script = tmp_path / "multigpu.py"
+    script.write_text(_TUTORIAL_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), "2", "1", "--batch_size", "6"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "ranks agree: True" in out.stdout  # trained, and every rank ends alike
+    assert out.stdout.count("Epoch 1 | Batchsize: 6 | Steps: 4") == 2
+
+
+def _destroys_its_group(ctx: DistContext, value: int) -> int:
+    dist.destroy_process_group()
+    return value
+
+
+def test_a_function_that_destroys_its_group_in_the_callers_process_returns() -> None:
+    # One process runs in the caller's: ddpkit's teardown there, and the next launch.
+    assert launch(_destroys_its_group, 7, nprocs=1) == 7
+    assert not dist.is_initialized()
+    assert launch(_identity, "again", nprocs=1)["sum"] == 1.0
+
+
+def test_a_script_that_destroys_its_process_group_itself_ends_cleanly_under_run(
+    tmp_path: Path,
+) -> None:
+    # launch runs in place there, and the audit hooks destroy_process_group.
+    script = tmp_path / "multigpu.py"
+    script.write_text(_TUTORIAL_SCRIPT)
+    out = run_cli("run", "--nproc", "2", "--audit", "--", str(script), "2", "1", "--batch_size=6")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert "[rank 0] ranks agree: True" in out.stdout
+    assert "still alive" not in out.stderr  # the script's destroy is the teardown

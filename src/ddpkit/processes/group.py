@@ -78,7 +78,13 @@ def destroy_group(*, failed: bool = False) -> None:
     So the group objects are kept until the next call, and that call first lets go of
     the GIL for a moment, so that a worker still waiting for it can finish. Keeping
     the groups alone was not enough: a worker could still be waiting a launch later.
+
+    A group the script destroyed itself (`dist.destroy_process_group()` at the end of
+    its function, as torch's DDP tutorial ends) is simply done: torch ended every group
+    with it, the extra ones ddpkit made too.
     """
+    if not dist.is_initialized():
+        return
     if teardown(str(dist.get_backend()), failed=failed) == "abort":
         try:
             _abort_group()
