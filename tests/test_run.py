@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.errors import ConfigError
 from tests.conftest import ROOT, run_cli, wait_for_files, wait_gone
 
 PIDS = """
@@ -566,3 +567,146 @@ def test_rank_0_idle_after_launch_while_the_others_ended_is_not_a_hang(tmp_path:
     out = run_cli("run", "--nproc", "2", "--hang-timeout", "3", str(script))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["[rank 0] done 2"], out.stdout
+
+
+# -- the script's own flags (issue 42, item 2) ---------------------------------------------
+
+# The DDP tutorial's multigpu_torchrun.py as its author wrote it (CPU ranks: gloo, no
+# .to(gpu_id)): ddp_setup(), a Trainer that snapshots, destroy_process_group() at the end,
+# and argparse flags; one of them is named like run's own (--nproc: its loader workers).
+TORCHRUN_TUTORIAL = """
+import argparse, os, sys
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, DataLoader
+from torch.utils.data.distributed import DistributedSampler
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.distributed import init_process_group, destroy_process_group
+
+
+def ddp_setup():
+    init_process_group(backend="gloo")
+
+
+class MyTrainDataset(Dataset):
+    def __init__(self, size):
+        g = torch.Generator().manual_seed(1)
+        self.data = [(torch.rand(20, generator=g), torch.rand(1, generator=g)) for _ in range(size)]
+    def __len__(self):
+        return len(self.data)
+    def __getitem__(self, index):
+        return self.data[index]
+
+
+class Trainer:
+    def __init__(self, model, train_data, optimizer, save_every, snapshot_path):
+        self.gpu_id = int(os.environ["LOCAL_RANK"])
+        self.model = DDP(model)
+        self.train_data = train_data
+        self.optimizer = optimizer
+        self.save_every = save_every
+        self.snapshot_path = snapshot_path
+        self.epochs_run = 0
+
+    def _run_epoch(self, epoch):
+        self.train_data.sampler.set_epoch(epoch)
+        for source, targets in self.train_data:
+            self.optimizer.zero_grad()
+            F.mse_loss(self.model(source), targets).backward()
+            self.optimizer.step()
+
+    def train(self, max_epochs):
+        for epoch in range(self.epochs_run, max_epochs):
+            self._run_epoch(epoch)
+            if self.gpu_id == 0 and epoch % self.save_every == 0:
+                torch.save({"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch},
+                           self.snapshot_path)
+
+
+def main(save_every, total_epochs, batch_size, workers, snapshot_path="snapshot.pt"):
+    ddp_setup()
+    dataset = MyTrainDataset(32)
+    model = torch.nn.Linear(20, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                        sampler=DistributedSampler(dataset))
+    Trainer(model, loader, optimizer, save_every, snapshot_path).train(total_epochs)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="simple distributed training job")
+    parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
+    parser.add_argument("save_every", type=int, help="How often to save a snapshot")
+    parser.add_argument("--batch_size", default=32, type=int)
+    parser.add_argument("--nproc", default=0, type=int, help="data loader workers")
+    args = parser.parse_args()
+    print(f"rank {os.environ['RANK']} got {sys.argv[1:]}", flush=True)
+    main(args.save_every, args.total_epochs, args.batch_size, args.nproc,
+         os.path.join(os.path.dirname(__file__), "snapshot.pt"))
+"""
+
+
+def test_the_scripts_own_flags_after_audit_go_to_the_script(tmp_path: Path) -> None:
+    script = _script(tmp_path, "multigpu_torchrun.py", TORCHRUN_TUTORIAL)
+    # --audit takes an optional value: the script's name is not it, nor are the script's
+    # flags run's, a flag named like run's own (--nproc) included.
+    argv = ["--nproc", "1", "--batch_size", "4", "2", "1"]
+    out = run_cli("run", "--nproc", "2", "--audit", str(script), *argv)
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):  # 2 ranks: run's --nproc
+        assert f"rank {rank} got {argv}" in out.stdout
+    assert (tmp_path / "snapshot.pt").is_file()
+
+
+def test_run_reads_its_options_up_to_the_script_and_gives_the_rest_to_it() -> None:
+    from ddpkit.cli.run import parse_options
+
+    def read(*argv: str) -> tuple[object, ...]:
+        a = parse_options(list(argv))
+        return a.script, a.module, a.args, a.audit, a.nproc
+
+    assert read("--audit", "train.py", "--flag", "x") == (
+        "train.py",
+        None,
+        ["--flag", "x"],
+        "report",
+        "auto",
+    )
+    assert read("--audit=strict", "train.py", "--lr", "1")[2:4] == (["--lr", "1"], "strict")
+    assert read("--audit", "--", "train.py", "--lr", "1")[:4] == (
+        "train.py",
+        None,
+        ["--lr", "1"],
+        "report",
+    )
+    assert read("--npr", "2", "train.py", "--nproc", "3", "-h") == (  # a prefix, as argparse
+        "train.py",
+        None,
+        ["--nproc", "3", "-h"],
+        None,
+        "2",
+    )
+    assert read("--audit", "-m", "pkg.train", "--nproc", "3") == (
+        None,
+        "pkg.train",
+        ["--nproc", "3"],
+        "report",
+        "auto",
+    )
+    assert read("-mpkg.train", "--x")[1:3] == ("pkg.train", ["--x"])
+    assert read("train.py", "--", "--x")[2] == ["--", "--x"]  # as python train.py -- --x
+    with pytest.raises(ConfigError, match="write --audit=strict"):
+        read("--audit", "strict", "train.py")
+    with pytest.raises(ConfigError, match="unknown mode"):
+        read("--audit=loud", "train.py")
+
+
+def test_help_and_docs_say_which_port_one_machine_uses() -> None:
+    # One machine serves the rendezvous on a port the OS picks (agent.run_script); the
+    # help said "default 29500" for it.
+    out = run_cli("run", "--help").stdout
+    assert "on one machine the OS picks a free port" in " ".join(out.split())
+    assert "on one machine the port is the OS's pick" in " ".join(
+        (ROOT / "docs" / "run.md").read_text().split()
+    )

@@ -25,11 +25,25 @@ HELP = "run a training script on every GPU or CPU core through torchrun's elasti
 
 
 def add_parser(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "run",
-        help=HELP,
+    # The command line after `run` reaches `run` whole (no character starts an option
+    # here): run's own options end where the script (or -m MODULE) begins, and only
+    # `split_command` can tell where that is. argparse alone gave a script's name to
+    # --audit's optional value, and the script's flags after it to run.
+    p: argparse.ArgumentParser = sub.add_parser("run", help=HELP, add_help=False, prefix_chars="\0")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=run)
+
+
+def _options_parser() -> argparse.ArgumentParser:
+    """run's own options (and, for --help, the script and its arguments)."""
+    from ddpkit.cli import _Parser  # the command's parser class: it reports a failed --help
+
+    p = _Parser(
+        prog="ddpkit run",
         description=HELP,
         usage="ddpkit run [options] (SCRIPT | -m MODULE) [ARGS ...]",
+        epilog="Everything after SCRIPT (or -m MODULE) goes to the script, whatever it "
+        "looks like; --audit takes its mode only as --audit=strict.",
     )
     p.add_argument(
         "--nnodes", type=int, help="machines in the job (default 1; under srun: the step's)"
@@ -44,7 +58,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--master-port",
         type=int,
-        help="port on node 0 (default 29500; under srun: one from the job id)",
+        help="port on node 0 with --nnodes > 1 (default 29500; under srun: one from the "
+        "job id); on one machine the OS picks a free port",
     )
     p.add_argument(
         "--max-restarts",
@@ -96,11 +111,64 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.set_defaults(func=run)
+    return p
+
+
+def parse_options(argv: list[str]) -> argparse.Namespace:
+    """`ddpkit run ARGV` read: run's options, and `script`, `module` and `args` (the
+    script's), split where the script begins (see `split_command`)."""
+    parser = _options_parser()
+    options, command = split_command(argv, parser)
+    args = parser.parse_args(options)  # no positional: the script is in `command`
+    if command[:1] == ["-m"]:
+        if len(command) < 2:
+            parser.error("argument -m: expected one argument")
+        args.module, args.script, args.args = command[1], None, command[2:]
+    else:
+        args.script, args.args = (command[0], command[1:]) if command else (None, [])
+    _audit_mode(args)
+    return args
+
+
+def split_command(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """`argv` as run's options, then the command: `[SCRIPT, ARGS...]` or `["-m", MODULE,
+    ARGS...]` (empty if none). The command begins at the first word that is neither an
+    option of run nor the value of one, after `--`, or at `-m`: whatever follows it is
+    the script's, its flags named like run's too (`train.py --nproc 3`). An option
+    whose value is optional (`--audit`) takes it only as `--audit=strict`, so that
+    `--audit train.py --lr 1` runs train.py."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1 :]
+        if word == "-" or not word.startswith("-"):
+            return argv[:i], argv[i:]
+        if word.startswith("-m"):  # -m MODULE, or -mMODULE as python takes it
+            return argv[:i], ["-m", *([word[2:]] if word[2:] else []), *argv[i + 1 :]]
+        i += 1 + _values_taken(parser, word)
+    return argv, []
+
+
+def _values_taken(parser: argparse.ArgumentParser, word: str) -> int:
+    """How many of the next words are `word`'s value: 1 for an option that needs one
+    (unless given as --flag=value), 0 for a switch, an optional value or an unknown
+    option (which the parse then names)."""
+    if "=" in word:
+        return 0
+    actions = parser._option_string_actions
+    action = actions.get(word)
+    if action is None and word.startswith("--"):  # argparse takes a unique prefix
+        matches = {actions[name] for name in actions if name.startswith(word)}
+        action = matches.pop() if len(matches) == 1 else None
+    if action is None:
+        return 0
+    # run's options take one value (nargs None) or none (0: a switch; "?": --audit).
+    return 1 if action.nargs is None else 0
 
 
 def run(args: argparse.Namespace) -> int:
-    _audit_mode(args)
+    args = parse_options(args.argv)
     _fill_from_slurm(args)
     settings = LaunchConfig(
         nnodes=args.nnodes,
@@ -148,16 +216,16 @@ def _strict_exit(found: list[Finding], code: int) -> int:
 
 
 def _audit_mode(args: argparse.Namespace) -> None:
-    """`--audit SCRIPT`: argparse gives the script to --audit's optional value; hand it
-    back. Only `--audit=strict` names a mode."""
-    if args.audit in (None, "report", "strict"):
-        return
-    if not (args.audit.endswith(".py") or Path(args.audit).is_file()):
+    """Only `--audit=strict` names a mode; `--audit strict` would run a script named
+    strict: say so when there is none."""
+    if args.audit not in (None, "report", "strict"):
         raise ConfigError(
             f"--audit={args.audit}: unknown mode; use --audit (report) or --audit=strict"
         )
-    rest = [args.script, *args.args] if args.script is not None else list(args.args)
-    args.script, args.args, args.audit = args.audit, rest, "report"
+    if args.audit == "report" and args.script == "strict" and not Path("strict").exists():
+        raise ConfigError(
+            "--audit strict: what follows --audit is the script; write --audit=strict"
+        )
 
 
 def _report_audit(found: list[Finding], fmt: str, log_dir: str | None, code: int) -> None:
