@@ -141,7 +141,7 @@ def check_equivalence(
                 "the job's train_sampler gives ranks shards of different lengths: check it "
                 "with ddpkit's own sharding (no train_sampler)"
             )
-        keys = replay_keys([r["orders"] for r in ranks], batch, one_recording=loop is not None)
+        keys = replay_keys([r["orders"] for r in ranks], batch)
         say(f"the same {steps} steps on 1 process, batch {nproc * batch}...")
         args = (steps, dtype, str(folder), keys, nproc, atol, rtol)
         if loop is None:
@@ -424,6 +424,7 @@ class _LoopWatch:
         self.bare: nn.Module | None = None
         self.switched = 0
         self.data: dict[str, Any] = {}  # what the N-rank run learns about the data
+        self.unseen: list[str] = []  # where the loop built DataLoaders verify cannot replay
         self.step = 0
 
     def model(self, model: nn.Module) -> nn.Module:
@@ -434,8 +435,35 @@ class _LoopWatch:
         for module in model.modules():
             if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
                 module.p, self.switched = 0.0, self.switched + 1
+        model.register_forward_pre_hook(self._before_forward)
         self.bare = model
         return model
+
+    def own_loader(self, data: TrainingData) -> TrainingData | None:
+        return None if self.data else self.training_data(data)
+
+    def other_loader(self, site: str) -> None:
+        self.unseen.append(site)
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        # Before the model meets a batch that verify cannot replay (in float64, a
+        # float32 batch would stop it with a dtype error first).
+        if not self.data:
+            raise ConfigError(self._no_data())
+
+    def _no_data(self) -> str:
+        if self.unseen:
+            return (
+                "verify --loop replays the batches of ddpkit.prepare_loader or of a DataLoader "
+                f"over a DistributedSampler, and this loop trains on the DataLoader built at "
+                f"{self.unseen[0]}, which is neither: pass it through "
+                "ddpkit.prepare_loader(loader, ctx) there"
+            )
+        return (
+            "verify --loop replays the batches of ddpkit.prepare_loader, and this loop's "
+            "model ran before it built a loader with it: build its training data with "
+            "ddpkit.prepare_loader(dataset, ctx, batch_size=...)"
+        )
 
     def training_data(self, data: TrainingData) -> TrainingData:
         if isinstance(data.dataset, IterableDataset):
@@ -457,7 +485,7 @@ class _LoopWatch:
         self.data["shards_by_index"] = isinstance(data.sampler, DistributedSampler)
         self.data["replacement"] = isinstance(data.sampler, ReplacementSampler)
         self.data["sampler"] = order = OrderOfPasses(data.sampler)
-        recorder = Recorder(data.dataset, self.folder / "samples", self.rank)
+        recorder = Recorder(data.dataset, self.folder / "samples", self.rank, by_pass=True)
         return TrainingData(
             promote_data(recorder, self.dtype), order, data.batch_size, data.num_workers
         )
@@ -465,6 +493,8 @@ class _LoopWatch:
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.bare is None:
             raise ConfigError(_ONE_MODEL)
+        if not self.data:
+            raise ConfigError(self._no_data())
         if self.step == 0:  # the model that the first update starts from
             self.on_step(self.bare, 0)
 

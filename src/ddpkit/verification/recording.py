@@ -30,8 +30,11 @@ def sample_file(folder: Path, key: SampleKey) -> Path:
     return folder / f"e{epoch}-r{rank}-i{index}-o{occurrence}.pt"
 
 
-class OrderOfPasses(Sampler[int]):
-    """A rank's sampler that keeps the order of indices it gives at each pass."""
+class OrderOfPasses(Sampler[tuple[int, int]]):
+    """A rank's sampler that keeps the order of indices it gives at each pass, and gives
+    each index with the number of its pass, for a `Recorder(by_pass=True)`: a pass may
+    end before its last batch (a loop that peeks at one batch for its size), so which
+    pass fetched a sample cannot be counted from the orders."""
 
     def __init__(self, inner: Sampler[Any]) -> None:
         self.inner = inner
@@ -42,9 +45,10 @@ class OrderOfPasses(Sampler[int]):
         if callable(set_epoch):
             set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        number = len(self.orders)
         self.orders.append([int(i) for i in self.inner])
-        return iter(self.orders[-1])
+        return ((number, i) for i in self.orders[-1])
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
@@ -55,16 +59,24 @@ class Recorder(Dataset[Any]):
 
     Works in worker processes: each takes a copy of this dataset as an epoch starts, with
     the epoch that `epoch_callback()` set, and claims an occurrence by creating its file.
+    `by_pass`: it is fetched as (pass, index) from an `OrderOfPasses`, and records each
+    pass as an epoch of its own.
     """
 
-    def __init__(self, data: Dataset[Any], folder: Path, rank: int) -> None:
-        self.data, self.folder, self.rank = data, folder, rank
+    def __init__(
+        self, data: Dataset[Any], folder: Path, rank: int, *, by_pass: bool = False
+    ) -> None:
+        self.data, self.folder, self.rank, self.by_pass = data, folder, rank, by_pass
         self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.data)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, item: Any) -> Any:
+        if self.by_pass:
+            self.epoch, index = item
+        else:
+            index = item
         sample = self.data[index]
         occurrence = 0
         while True:
@@ -91,23 +103,18 @@ class _EpochOf(Callback):
         self.recorder.epoch = epoch
 
 
-def replay_keys(
-    orders: list[list[list[int]]], batch: int, *, one_recording: bool = False
-) -> list[list[SampleKey]]:
-    """Per epoch, the one-process order of the recorded samples: its batch i is rank 0's
-    batch i, then rank 1's, ... (`orders[rank][epoch]` is a rank's order of indices).
-    `one_recording`: the samples were recorded as one epoch 0, their occurrences
-    counted over all passes (a hand-written loop's, whose epochs verify cannot see)."""
+def replay_keys(orders: list[list[list[int]]], batch: int) -> list[list[SampleKey]]:
+    """Per epoch (or pass of a hand-written loop), the one-process order of the recorded
+    samples: its batch i is rank 0's batch i, then rank 1's, ... (`orders[rank][epoch]`
+    is a rank's order of indices)."""
     union = []
-    seen: Counter[tuple[int, int]] = Counter()
     for epoch, ranks in enumerate(zip(*orders, strict=False)):
-        if not one_recording:
-            seen = Counter()
+        seen: Counter[tuple[int, int]] = Counter()
         keys: list[SampleKey] = []
         for start in range(0, len(ranks[0]), batch):
             for rank, order in enumerate(ranks):
                 for index in order[start : start + batch]:
-                    keys.append((0 if one_recording else epoch, rank, index, seen[rank, index]))
+                    keys.append((epoch, rank, index, seen[rank, index]))
                     seen[rank, index] += 1
         union.append(keys)
     return union
