@@ -710,3 +710,44 @@ def test_help_and_docs_say_which_port_one_machine_uses() -> None:
     assert "on one machine the port is the OS's pick" in " ".join(
         (ROOT / "docs" / "run.md").read_text().split()
     )
+
+
+# -- restarts are said (issue 42, item 6) ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_each_restart_is_said_with_the_failed_rank_and_its_traceback(tmp_path: Path) -> None:
+    # A torchrun-style script whose rank 1 fails in the first attempt only (a flaky
+    # node): the job recovers, and the console says what failed and where.
+    script = _script(
+        tmp_path,
+        "flaky.py",
+        """
+        import os
+        import torch.distributed as dist
+
+        def load_shard(rank):
+            if rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+                raise ValueError("shard 1 is unreadable")
+            return rank
+
+        dist.init_process_group("gloo")
+        load_shard(dist.get_rank())
+        dist.barrier()
+        dist.destroy_process_group()
+        print("trained", flush=True)
+        """,
+    )
+    out = run_cli("run", "--nproc", "2", "--max-restarts", "2", str(script))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("trained") == 2
+    lines = out.stderr.splitlines()
+    said = [ln for ln in lines if ln.startswith("ddpkit: attempt")]
+    assert said == [
+        "ddpkit: attempt 1 failed: rank 1 raised ValueError: shard 1 is unreadable (restart 1 of 2)"
+    ], out.stderr
+    # The traceback follows the line: the script's frames, down to the raise.
+    after = "\n".join(lines[lines.index(said[0]) + 1 :])
+    assert "Traceback (most recent call last):" in after
+    assert 'raise ValueError("shard 1 is unreadable")' in after
+    assert "in load_shard" in after and "shim.py" not in after

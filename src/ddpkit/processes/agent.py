@@ -93,6 +93,7 @@ def run_script(
         _wait_for_master(host, port, opts.rdzv_timeout)
     _patch_agent_store(loopback=local)
     _no_restart_after_preemption()
+    _say_each_restart()
     status = scratch_dir("run")
     world = nproc if single else opts.nnodes * nproc
     # What the ranks print, line by line, to the console and to each rank's log. The
@@ -244,6 +245,50 @@ def _no_restart_after_preemption() -> None:
 
     Agent._monitor_workers = monitor  # type: ignore[method-assign]
     Agent._ddpkit_no_restart = True  # type: ignore[attr-defined]
+
+
+def _say_each_restart() -> None:
+    """Before torchrun's agent restarts the workers after a failure (`--max-restarts`),
+    say which rank failed and how, with its traceback (your frames only): the job may
+    then succeed, and its logs, without `--log-dir`, are deleted with it. Installed after
+    _no_restart_after_preemption, so that a preempted job, which is not restarted, says
+    nothing here."""
+    try:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+        from torch.distributed.elastic.agent.server.local_elastic_agent import (
+            LocalElasticAgent as Agent,
+        )
+    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
+        return
+    if getattr(Agent, "_ddpkit_says_restarts", False):
+        return
+    original = Agent._monitor_workers
+
+    def monitor(self: Any, worker_group: Any) -> Any:
+        result = original(self, worker_group)
+        left = self._remaining_restarts
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and left > 0:
+            most = worker_group.spec.max_restarts
+            done = most - left  # the attempt that failed reported to attempt<done>
+            folder = Path(os.environ[RUN_WORKER]) / f"attempt{done}"
+            print(
+                _restart_report(result.failures, folder, done + 1, most),
+                file=sys.stderr,
+                flush=True,
+            )
+        return result
+
+    Agent._monitor_workers = monitor  # type: ignore[method-assign]
+    Agent._ddpkit_says_restarts = True  # type: ignore[attr-defined]
+
+
+def _restart_report(failures: dict[int, Any], folder: Path, restart: int, most: int) -> str:
+    """`ddpkit: attempt N failed: rank R raised E: message (restart N of K)`, then that
+    rank's traceback (none for a rank killed by a signal)."""
+    rank, failure, err = _first_failure(failures, folder)
+    what = f"raised {err['exc_type']}: {err['message']}" if err else _how(failure.exitcode)
+    line = f"ddpkit: attempt {restart} failed: rank {rank} {what} (restart {restart} of {most})"
+    return f"{line}\n{err['traceback'].rstrip()}" if err else line
 
 
 def _thread_env(nproc: int) -> dict[str, str]:
@@ -464,18 +509,29 @@ def _left_early(exc: Any, folder: Path) -> str | None:
     return f"{summary}\n\n{stacks}\n"
 
 
-def _crash_report(exc: Any, folder: Path) -> str:
-    """The first failing rank, its exit code and its traceback, as the last lines."""
+def _first_failure(failures: dict[int, Any], folder: Path) -> tuple[int, Any, dict[str, Any]]:
+    """Of torchrun's failures (rank -> ProcessFailure), the one most likely the cause
+    (report.blame_key): its rank, the failure, and the error it recorded in `folder`
+    ({} when it recorded none, e.g. killed by a signal)."""
     errors = read_reports(folder, ".error.json")
     candidates = []
-    for rank, failure in exc.failures.items():
+    for rank, failure in failures.items():
         err = errors.get(rank, {})
         message = f"{err.get('exc_type', '')}: {err.get('message', '')}" if err else ""
         when = float(err.get("time", failure.timestamp))
         candidates.append((blame_key(failure.exitcode, message, when), rank, failure, err))
     _, rank, failure, err = min(candidates, key=lambda c: c[0])
-    code = failure.exitcode
-    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return rank, failure, err
+
+
+def _how(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _crash_report(exc: Any, folder: Path) -> str:
+    """The first failing rank, its exit code and its traceback, as the last lines."""
+    rank, failure, err = _first_failure(exc.failures, folder)
+    how = _how(failure.exitcode)
     if err:
         return (
             f"ddpkit: rank {rank} failed first: {err['exc_type']}: {err['message']}\n"
