@@ -4,6 +4,7 @@ jobs silently break fail with the right cause; near misses pass. Real processes,
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -152,3 +153,42 @@ def test_jobs_of_dict_and_dataclass_batches_built_from_the_config_pass() -> None
     for build in (shaped_jobs.build_dict, shaped_jobs.build_step):
         report = ddpkit.verify(build, config, steps=6)
         assert report.passed, report
+
+
+def _largest_line(**fields: Any) -> str:
+    report = VerifyReport(
+        "equivalence",
+        nproc=2,
+        steps=2,
+        batch_size=8,
+        dtype="float64",
+        atol=1e-9,
+        rtol=1e-7,
+        **fields,
+    )
+    return next(ln for ln in str(report).splitlines() if "largest difference" in ln)
+
+
+def test_a_fail_never_reads_as_within_the_tolerance_alone() -> None:
+    # Before: a FAIL on a likely cause, or on a NaN, said '(0% of the tolerance)'.
+    small = {"max_abs_diff": [0.0, 3e-12, 8e-12], "tolerance_used": [0.0, 0.002, 0.004]}
+    line = _largest_line(passed=False, causes=["ranks that build different datasets"], **small)
+    assert "0% of the tolerance" not in line and "FAIL" in line and "cause" in line, line
+    nan = {"step": 1, "tensor": "0.weight", "max_abs": float("nan"), "max_rel": float("nan")}
+    line = _largest_line(
+        passed=False,
+        first_divergence=nan,
+        max_abs_diff=[0.0, 0.0, 0.0],
+        tolerance_used=[0.0, 0.0, 0.0],
+    )
+    assert "0% of the tolerance" not in line and "not a number" in line, line
+    over = {"step": 1, "tensor": "0.weight", "max_abs": 3.1e-4, "max_rel": 0.01}
+    line = _largest_line(
+        passed=False,
+        first_divergence=over,
+        max_abs_diff=[0.0, 3.1e-4, 2e-4],
+        tolerance_used=[0.0, 12.4, 8.0],
+    )
+    assert line.strip() == "largest difference: 0.00031 after step 1, 12x the tolerance", line
+    line = _largest_line(passed=True, **small)  # a PASS may say how close it came
+    assert line.strip() == "largest difference: 8e-12 after step 2 (under 1% of the tolerance)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +49,7 @@ class VerifyReport:
             )
         lines = [f"{verdict}  {self.check}: {what}"]
         if self.max_abs_diff:
-            step = max(range(len(self.max_abs_diff)), key=self.max_abs_diff.__getitem__)
-            used = max(self.tolerance_used)
-            share = f"{used:.0%} of" if used <= 1 else f"{used:.2g}x"
-            lines.append(
-                f"  largest difference: {self.max_abs_diff[step]:.2g} after step {step} "
-                f"({share} the tolerance)"
-            )
+            lines.append(f"  {self._largest_difference(verdict)}")
         if self.first_divergence:
             d = self.first_divergence
             lines.append(
@@ -65,3 +60,25 @@ class VerifyReport:
         lines += [f"  likely cause: {c}" for c in self.causes]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _largest_difference(self, verdict: str) -> str:
+        """The largest difference, and how it stands to the tolerance in words that a
+        FAIL cannot be read as a pass by."""
+        step = max(range(len(self.max_abs_diff)), key=self.max_abs_diff.__getitem__)
+        used = max(self.tolerance_used)
+        size = f"largest difference: {self.max_abs_diff[step]:.2g} after step {step}"
+        share = "under 1% of" if used < 0.01 else f"{used:.0%} of"
+        if math.isinf(used):  # an integer buffer (a counter) differs
+            return f"{size}, and an integer buffer differs"
+        if used > 1:
+            return f"{size}, {used:.2g}x the tolerance"
+        if verdict != "FAIL":
+            return f"{size} ({share} the tolerance)"
+        # Within the tolerance, yet FAIL: a difference that is not a number (it compares
+        # as neither close nor large), or a cause found apart from the numbers.
+        why = (
+            "a difference that is not a number (NaN)"
+            if self.first_divergence
+            else "the cause below"
+        )
+        return f"{size}, within the tolerance ({share} it), but FAIL on {why}"
