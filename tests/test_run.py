@@ -166,6 +166,63 @@ def test_the_rank_that_failed_is_blamed_not_the_rank_torchrun_stopped(tmp_path: 
         assert last.startswith("ddpkit: the job failed: rank 1 raised ValueError"), last
 
 
+# A torchrun-style hand loop, no ddpkit code: DDP with dropout, dict batches, AdamW and
+# a scheduler. After its step 3, rank 1 gets a SIGTERM that no supervisor sent (here it
+# sends it itself); rank 0 then loses its peer in DDP's gradient all-reduce.
+SELF_SIGTERM = (
+    PIDS
+    + """
+import signal
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo")
+torch.manual_seed(3)
+net = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.3), nn.Tanh(), nn.Linear(12, 2))
+model = nn.parallel.DistributedDataParallel(net)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+g = torch.Generator().manual_seed(rank)
+for step in range(100_000):
+    batch = {"x": torch.randn(8, 6, generator=g), "y": torch.randn(8, 2, generator=g)}
+    loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    if step == 3 and rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+"""
+)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_a_signal_nobody_in_ddpkit_sent_is_blamed_first(tmp_path: Path) -> None:
+    # Rank 0's "Connection closed by peer" is a consequence; the SIGTERM that ended rank
+    # 1 is the cause, though SIGTERM is also how the agent stops the other ranks.
+    script = _script(tmp_path, "selfterm.py", SELF_SIGTERM)
+    out = run_cli(
+        "run", "--nproc", "2", str(script), env={"PID_DIR": str(tmp_path), "TMPDIR": str(tmp_path)}
+    )
+    assert out.returncode == 1, out.stderr  # as under torchrun: nothing was saved
+    said = [line for line in out.stderr.splitlines() if line.startswith("ddpkit: ")]
+    assert said and "rank 1" in said[0] and "SIGTERM" in said[0], out.stderr
+    assert "rank 0 failed first" not in out.stderr, out.stderr
+    assert wait_gone(_pids(tmp_path)) == []
+
+
+def test_blame_puts_a_signal_the_supervisor_did_not_send_before_a_lost_peer() -> None:
+    from ddpkit.processes.report import blame_key
+
+    lost_peer = blame_key(1, "RuntimeError: Connection closed by peer [127.0.0.1]:1", 10.0)
+    theirs = blame_key(-signal.SIGTERM, "", 11.0, stopped_by_supervisor=False)
+    ours = blame_key(-signal.SIGTERM, "", 9.0, stopped_by_supervisor=True)
+    assert theirs < lost_peer < ours
+    # Killed by SIGKILL after the supervisor's grace: still the supervisor's doing.
+    assert lost_peer < blame_key(-signal.SIGKILL, "", 9.0, stopped_by_supervisor=True)
+    # Unknown (launch's supervisor): a stop signal counts as the supervisor's, as before.
+    assert lost_peer < blame_key(-signal.SIGTERM, "", 9.0)
+
+
 def _node(
     rank: int, port: int, script: Path, tmp_path: Path, timeout: str
 ) -> subprocess.Popen[str]:

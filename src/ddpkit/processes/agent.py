@@ -92,6 +92,7 @@ def run_script(
         port = opts.master_port
         _wait_for_master(host, port, opts.rdzv_timeout)
     _patch_agent_store(loopback=local)
+    _note_agent_stops()
     _no_restart_after_preemption()
     _say_each_restart()
     status = scratch_dir("run")
@@ -216,6 +217,34 @@ def _patch_agent_store(loopback: bool) -> None:
     if loopback and hasattr(Handler, "_create_tcp_store_server"):
         Handler._create_tcp_store_server = create  # type: ignore[method-assign]
     Handler._ddpkit_patched = True  # type: ignore[attr-defined]
+
+
+# The workers that torchrun's agent stopped (pids): those still running when it began to
+# stop the group (after a failure, for a restart, on a signal to ddpkit run). A rank
+# killed by a signal is the cause of a failure unless its pid is here (see _first_failure).
+_STOPPED_BY_AGENT: set[int] = set()
+
+
+def _note_agent_stops() -> None:
+    """Record in _STOPPED_BY_AGENT which workers torchrun's agent stops, as it stops them."""
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
+        return
+    if getattr(SubprocessContext, "_ddpkit_notes_stops", False):
+        return
+    original = SubprocessContext._close
+
+    def close(self: Any, death_sig: Any, timeout: int = 30) -> None:
+        # Before its signal: a worker that ended already (on a signal of someone else's
+        # too) is not among them.
+        _STOPPED_BY_AGENT.update(
+            h.proc.pid for h in self.subprocess_handlers.values() if h.proc.poll() is None
+        )
+        original(self, death_sig, timeout)
+
+    SubprocessContext._close = close  # type: ignore[method-assign]
+    SubprocessContext._ddpkit_notes_stops = True  # type: ignore[attr-defined]
 
 
 def _no_restart_after_preemption() -> None:
@@ -519,7 +548,9 @@ def _first_failure(failures: dict[int, Any], folder: Path) -> tuple[int, Any, di
         err = errors.get(rank, {})
         message = f"{err.get('exc_type', '')}: {err.get('message', '')}" if err else ""
         when = float(err.get("time", failure.timestamp))
-        candidates.append((blame_key(failure.exitcode, message, when), rank, failure, err))
+        ours = failure.pid in _STOPPED_BY_AGENT
+        key = blame_key(failure.exitcode, message, when, stopped_by_supervisor=ours)
+        candidates.append((key, rank, failure, err))
     _, rank, failure, err = min(candidates, key=lambda c: c[0])
     return rank, failure, err
 

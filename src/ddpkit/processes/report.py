@@ -34,16 +34,30 @@ _PEER_LOST = ("closed by peer", "reset by peer", "remote worker", "Broken pipe",
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def blame_key(exitcode: int | None, message: str, when: float) -> tuple[int, float]:
+def blame_key(
+    exitcode: int | None,
+    message: str,
+    when: float,
+    *,
+    stopped_by_supervisor: bool | None = None,
+) -> tuple[int, float]:
     """Sort key over failures: the one most likely to be the cause comes first.
 
-    A rank killed by a signal such as SIGKILL (the OOM killer) or SIGSEGV is a cause.
-    Then a rank's own error, then an error that says a peer went away (a consequence).
-    Last, a rank stopped by SIGTERM, SIGINT or SIGHUP without an error of its own: that
-    is how supervisors stop the other ranks. Within each kind, the earliest wins.
+    A rank killed by a signal that its supervisor did not send (the OOM killer's
+    SIGKILL, a SIGSEGV, a SIGTERM from someone else) is a cause. Then a rank's own
+    error, then an error that says a peer went away (a consequence). Last, a rank
+    killed by its supervisor's signal without an error of its own: that is how the
+    other ranks are stopped. Within each kind, the earliest wins.
+
+    `stopped_by_supervisor`: whether the supervisor had signalled this rank (`ddpkit
+    run`'s agent knows whom it stopped); None when it cannot tell, and then SIGTERM,
+    SIGINT and SIGHUP count as its signals, the others not.
     """
     if exitcode is not None and exitcode < 0:
-        if -exitcode not in _STOP_SIGNALS:
+        ours = stopped_by_supervisor
+        if ours is None:
+            ours = -exitcode in _STOP_SIGNALS
+        if not ours:
             return (0, 0.0)
         if not message:
             return (3, when)
