@@ -78,22 +78,7 @@ REFUSED: dict[tuple[str, str], str] = {
 # Cells that fail only because of a defect of issue 43 whose fix has not landed yet:
 # "TEST[ID]" as pytest names it -> the defect. Each is xfail(strict=True), so it turns
 # red the day the fix lands; then its line here goes, in the fix's commit.
-_PART = (
-    "found by the matrix: the record of an epoch resumed mid-way has the loss and samples "
-    "of the part the resumed run trained (8 samples of 48), not the epoch's"
-)
-_SEEN = (
-    "found by the matrix: samples_seen after a mid-epoch resume over uneven shards is "
-    "this rank's batches times the ranks (92, not 96)"
-)
-KNOWN_DEFECTS: dict[str, str] = {
-    **{f"test_cell[{s}-run_log]": _PART for s in STRATEGIES},
-    **{
-        f"test_cell[{s}-{f}]": _SEEN
-        for s in ("ddp", "fsdp")
-        for f in ("uneven_map", "uneven_accumulate", "uneven_iterable")
-    },
-}
+KNOWN_DEFECTS: dict[str, str] = {}
 
 HANG_TIMEOUT = 10  # launch's hang watch: a certain hang is stopped after this
 COLLECTIVE_TIMEOUT = 20  # a collective that waits longer fails
@@ -222,22 +207,13 @@ def trained(folder: Path, phase: str, ranks: int, epoch: int, before: float) -> 
     return seen
 
 
-# The fields of an epoch's record that a run resumed inside that epoch fills with the
-# part it trained itself, not the whole epoch (found by this matrix, issue 43; the run_log
-# column compares them, see KNOWN_DEFECTS): left out of the other cells' comparison.
-PART_OF_EPOCH = ("loss", "samples")
-
-
-def _records(path: Path, cut_epoch: int | None = None) -> list[dict[str, Any]]:
-    """metrics.jsonl's records without their timings, which no two runs share (nor, with
-    `cut_epoch`, the `PART_OF_EPOCH` fields of that epoch's record, counted from 0)."""
+def _records(path: Path) -> list[dict[str, Any]]:
+    """metrics.jsonl's records without their timings, which no two runs share. The
+    record of the epoch a run resumed inside holds the whole epoch's loss and samples."""
     out = []
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        left_out = ["time", "samples_per_s"]
-        if record["kind"] == "epoch" and record["epoch"] == (cut_epoch or 0) + 1:
-            left_out += PART_OF_EPOCH if cut_epoch is not None else []
-        for name in left_out:
+        for name in ("time", "samples_per_s"):
             record.pop(name, None)
         out.append(record)
     return out
@@ -341,9 +317,8 @@ def test_cell(strategy: str, feature: str, tmp_path: Path) -> None:
             problems.append(f"resumed {key} {resumed[key]}, straight {straight[key]}")
     log = tmp_path / "run-straight" / "metrics.jsonl"
     if log.exists():
-        cut_epoch = None if feature == "run_log" else 0 if feature in mj.ENDLESS else 1
-        before = _records(log, cut_epoch)
-        after = _records(tmp_path / "run-resume" / "metrics.jsonl", cut_epoch)
+        before = _records(log)
+        after = _records(tmp_path / "run-resume" / "metrics.jsonl")
         if after != before:
             extra = [r for r in after if r not in before]
             lost = [r for r in before if r not in after]

@@ -257,3 +257,33 @@ def test_a_resumed_run_log_drops_the_records_after_its_step(tmp_path: Path) -> N
     assert [row.split(",")[0] for row in steps] == ["step", "1", "2", "3", "4"]
     epochs = (tmp_path / "epochs.csv").read_text().splitlines()
     assert [row.split(",")[0] for row in epochs] == ["step", "3"]
+
+
+def test_a_run_resumed_inside_an_epoch_drops_that_epochs_record_at_its_step(
+    tmp_path: Path,
+) -> None:
+    # A checkpoint at step 4, the first epoch's last, written before that epoch's record
+    # (keep_best); the run went on to step 6. Resumed from it, the run writes the first
+    # epoch's record again at the epoch's end: the old one goes, the step's line stays.
+    first = RunLog(str(tmp_path), {"resume": False, "loggers": ["csv"]}, enabled=True)
+    for step in range(1, 7):
+        first.write("step", step, {"loss": 1.0 / step})
+        if step == 4:
+            first.write("eval", step, {"eval_loss": 0.3})
+            first.write("epoch", step, {"epoch": 1, "loss": 0.5})
+    first.close()
+    config = {"resume": True, "loggers": ["csv"]}
+    resumed = RunLog(str(tmp_path), config, enabled=True, resumed_step=4, resumed_inside=True)
+    assert resumed.dropped == 3  # the epoch's record, steps 5 and 6
+    resumed.write("epoch", 4, {"epoch": 1, "loss": 0.5})
+    resumed.close()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        *[("step", s) for s in range(1, 5)],
+        ("eval", 4),
+        ("epoch", 4),
+    ]
+    epochs = (tmp_path / "epochs.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in epochs] == ["step", "4"]
+    steps = (tmp_path / "steps.csv").read_text().splitlines()
+    assert [row.split(",")[0] for row in steps] == ["step", "1", "2", "3", "4"]

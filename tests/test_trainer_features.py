@@ -657,3 +657,199 @@ def test_a_resume_with_another_batch_size_steps_with_full_weight(tmp_path: Path)
     for after, index in trained:  # each step moved w by the mean v of its samples
         assert after == pytest.approx(w - sum(i + 1 for i in index) / len(index))
         w = after
+
+
+# -- the record of an epoch resumed mid-way (issue 43, found by the matrix) ---------------
+class _Regressor(nn.Module):
+    """{"x", "y"} batches in, {"loss"} out (as a HuggingFace model), with dropout."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(dropout), nn.GELU())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.smooth_l1_loss(self.head(self.net(x)), y)}
+
+
+class _Pairs(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int) -> None:
+        self.x, self.y = _data(n).tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+class _Lopsided(Sampler[int]):
+    """Shards 40 samples unevenly, shuffled each epoch: rank 0 gets 12, rank 1 gets 28."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.epoch = rank, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(40, generator=torch.Generator().manual_seed(self.epoch))
+        return iter(order[:12] if self.rank == 0 else order[12:])
+
+    def __len__(self) -> int:
+        return 12 if self.rank == 0 else 28
+
+
+class _CrashAfterStep(Callback):
+    """Ends the run as a crash would, right after step `at` (nothing of it saved)."""
+
+    def __init__(self, at: int | None) -> None:
+        self.at = at
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        if step == self.at:
+            raise RuntimeError(f"crashed after step {step}")
+
+
+def _fit_resumable_log(
+    ctx: DistContext, folder: str, opts: dict[str, Any], batch_size: int = 4
+) -> list[Any]:
+    """2 epochs of 40 {"x", "y"} samples (5 steps an epoch on 2 ranks), AdamW with a
+    per-step OneCycleLR (none with lr 0), a run log in folder/run and checkpoints in
+    folder/ck; `opts`: TrainConfig fields, and "lr", "dropout", "stop" (the step after
+    whose checkpoint `_StopAfterSaving` ends the run), "crash" (`_CrashAfterStep`),
+    "lopsided" (shards of 12 and 28 samples, `_Lopsided`).
+    Every rank's digest of model and optimizer state."""
+    seed_everything(0)
+    own = ("lr", "dropout", "stop", "crash", "lopsided")
+    cfg = {k: v for k, v in opts.items() if k not in own}
+    config = TrainConfig(
+        epochs=2,
+        batch_size=batch_size,
+        checkpoint_dir=str(Path(folder, "ck")),
+        run_dir=str(Path(folder, "run")),
+        keep_last=20,
+        log_every=1,
+        **cfg,
+    )
+    lr = opts.get("lr", 1e-2)
+
+    def one_cycle(opt: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=40)
+
+    trainer = Trainer(
+        _Regressor(opts.get("dropout", 0.2)),
+        lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.05),
+        _Pairs(40),
+        ctx,
+        config,
+        eval_set=_Pairs(10) if config.eval_every_steps else None,
+        scheduler=one_cycle if lr else None,  # lr 0: no scheduler to set another
+        train_sampler=_Lopsided(ctx.rank) if opts.get("lopsided") else None,
+        callbacks=[_StopAfterSaving(opts.get("stop")), _CrashAfterStep(opts.get("crash"))],
+        log_fn=lambda s: None,
+    )
+    trainer.fit()
+    return _every_rank(
+        ctx, (model_digest(trainer.model), state_digest(trainer.optimizer.state_dict()))
+    )
+
+
+def _log(folder: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """metrics.jsonl's records (of `kind`, if given), less their timings."""
+    out = []
+    for line in (folder / "run" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if kind is None or record["kind"] == kind:
+            out.append({k: v for k, v in record.items() if k not in ("time", "samples_per_s")})
+    return out
+
+
+def test_a_mid_epoch_resume_writes_the_whole_epochs_record(tmp_path: Path) -> None:
+    # Saved after step 9 of 10 (the second epoch's 4th of 5), stopped there and resumed:
+    # the epoch's record held the loss and samples of step 10 alone (8 of 40), and
+    # keep_best="loss" compared that step's loss with whole epochs.
+    opts = {"save_every_steps": 3, "keep_best": "loss"}
+    straight = launch(_fit_resumable_log, str(tmp_path / "a"), opts, nprocs=2)
+    cut = tmp_path / "b"
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 9"):
+        launch(_fit_resumable_log, str(cut), {**opts, "stop": 9}, nprocs=2)
+    resumed = launch(_fit_resumable_log, str(cut), {**opts, "resume": True}, nprocs=2)
+    assert resumed == straight  # every rank: model and optimizer state
+    assert _log(cut, "epoch") == _log(tmp_path / "a", "epoch")  # loss bit for bit
+    assert [r["samples"] for r in _log(cut, "epoch")] == [40, 40]
+    assert_same_best(tmp_path / "a" / "ck", cut / "ck")
+
+
+def test_samples_seen_after_a_resume_over_uneven_shards(tmp_path: Path) -> None:
+    # Shards of 12 and 28 samples: 7 steps an epoch. Saved after step 13 (the second
+    # epoch's 6th, rank 0's shard ran out at its 3rd), crashed after 14 and resumed: the
+    # checkpoint held rank 0's count times the ranks (40 + 24, not 40 + 36), so the run
+    # ended at samples_seen 68 instead of 80.
+    opts = {"save_every_steps": 13, "lopsided": True}
+    straight = launch(_fit_resumable_log, str(tmp_path / "a"), opts, nprocs=2)
+    cut = tmp_path / "b"
+    with pytest.raises((WorkerError, RuntimeError), match="crashed after step 14"):
+        launch(_fit_resumable_log, str(cut), {**opts, "crash": 14}, nprocs=2)
+    resumed = launch(_fit_resumable_log, str(cut), {**opts, "resume": True}, nprocs=2)
+    assert resumed == straight
+    want, got = _log(tmp_path / "a"), _log(cut)
+    assert [r["samples_seen"] for r in got if r["kind"] == "epoch"] == [40, 80]
+    assert got == want
+    # Each step's line counts the samples of both shards so far (rank 0's stop at 12).
+    seen = [r["samples_seen"] for r in want if r["kind"] == "step"]
+    assert seen[:7] == [8, 16, 24, 28, 32, 36, 40]
+
+
+@pytest.mark.parametrize(("before", "after", "batch"), [(2, 1, 4), (2, 2, 6), (1, 2, 4)], ids=str)
+def test_a_resume_elsewhere_writes_the_whole_epochs_totals(
+    tmp_path: Path, before: int, after: int, batch: int
+) -> None:
+    # lr 0 and no dropout: every sample's loss is the same whoever trains it, so the
+    # epoch's mean loss is the straight run's, up to the order of the float sums.
+    opts: dict[str, Any] = {"save_every_steps": 3, "lr": 0.0, "dropout": 0.0}
+    launch(_fit_resumable_log, str(tmp_path / "a"), opts, nprocs=before)
+    cut = tmp_path / "b"
+    stop = 9 if before == 2 else 18  # the second epoch's 4th of 5 (on 1 rank: 8th of 10)
+    with pytest.raises((WorkerError, RuntimeError), match=f"stopped after saving step {stop}"):
+        launch(_fit_resumable_log, str(cut), {**opts, "stop": stop}, nprocs=before)
+    launch(_fit_resumable_log, str(cut), {**opts, "resume": True}, batch, nprocs=after)
+    want, got = _log(tmp_path / "a", "epoch"), _log(cut, "epoch")
+    assert [(r["epoch"], r["samples"], r["samples_seen"]) for r in got] == [
+        (1, 40, 40),
+        (2, 40, 80),
+    ]
+    assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-6)
+
+
+def test_an_older_checkpoint_without_the_epochs_sums_still_resumes(tmp_path: Path) -> None:
+    opts: dict[str, Any] = {"save_every_steps": 3}
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 9"):
+        launch(_fit_resumable_log, str(tmp_path), {**opts, "stop": 9}, nprocs=2)
+    path = tmp_path / "ck" / "ckpt-000000009.pt"
+    state = torch.load(path, weights_only=True)
+    del state["extra"]["epoch_sums"]  # as an older ddpkit wrote it
+    torch.save(state, path)
+    ranks = launch(_fit_resumable_log, str(tmp_path), {**opts, "resume": True}, nprocs=2)
+    assert ranks[0] == ranks[1]
+    # Its record covers the part this run trained: step 10's 8 samples.
+    assert [r["samples"] for r in _log(tmp_path, "epoch")] == [40, 8]
+
+
+def test_a_checkpoint_at_an_epochs_last_step_resumes_without_a_second_record(
+    tmp_path: Path,
+) -> None:
+    # keep_best evaluates at each epoch's last step (5) and keeps it, before the epoch's
+    # record; the run wrote that record, went on, and crashed after step 7, before any
+    # other checkpoint. The resumed run wrote the first epoch's record a second time.
+    opts = {"eval_every_steps": 5, "keep_best": "eval_loss", "save_every": 0}
+    straight = launch(_fit_resumable_log, str(tmp_path / "a"), opts, nprocs=2)
+    cut = tmp_path / "b"
+    with pytest.raises((WorkerError, RuntimeError), match="crashed after step 7"):
+        launch(_fit_resumable_log, str(cut), {**opts, "crash": 7}, nprocs=2)
+    resumed = launch(_fit_resumable_log, str(cut), {**opts, "resume": True}, nprocs=2)
+    assert resumed == straight
+    epochs = [(r["epoch"], r["step"]) for r in _log(cut, "epoch")]
+    assert epochs == [(1, 5), (2, 10)]
+    assert _log(cut) == _log(tmp_path / "a")
+    assert_same_best(tmp_path / "a" / "ck", cut / "ck")

@@ -17,6 +17,9 @@ is free: metrics.N.jsonl, config.N.json, steps.N.csv, epochs.N.csv and tb.N/, an
 appends to the files of the run it continues, after dropping their records of the
 steps after its checkpoint (`resumed_step`): a run resumed from an older checkpoint
 trains those steps again, and its records' step only ever grows, with no step twice.
+A checkpoint written inside an epoch (`resumed_inside`; at its last step, say, by
+keep_best) comes before that epoch's record: the resumed run writes the record at the
+epoch's end, so one already at the checkpoint's step goes too, and no epoch has two.
 
 A run log that cannot start (a full disk, a logger that fails to start, Ctrl-C) leaves
 the folder as it was: config.json is written to a temporary file and renamed into place
@@ -58,7 +61,9 @@ class RunLog:
     rank but 0): `write` a record, `close` at the end. `config` is the run's, as
     `TrainConfig.to_dict()` gives it; its `loggers` and `resume` say where the records
     go and whether they continue the last run's files. `resumed_step`: the step of the
-    checkpoint a resumed run continues from; the records after it are dropped."""
+    checkpoint a resumed run continues from; the records after it are dropped.
+    `resumed_inside`: that checkpoint was written inside an epoch whose record this run
+    writes; a record of kind epoch at `resumed_step` is dropped as well."""
 
     def __init__(
         self,
@@ -67,14 +72,17 @@ class RunLog:
         *,
         enabled: bool,
         resumed_step: int | None = None,
+        resumed_inside: bool = False,
     ) -> None:
         self.start = time.perf_counter()
         self.resumed_at = 0.0
         """The `time` of the last record that this (resumed) run continues; 0 for a
         new run. Its own records' `time` counts on from there."""
         self.resumed_step = resumed_step
+        self.resumed_inside = resumed_inside
         self.dropped = 0
-        """The records of metrics.jsonl after `resumed_step` that were dropped."""
+        """The records of metrics.jsonl after `resumed_step` (and the epoch's record at it,
+        with `resumed_inside`) that were dropped."""
         self.folder = Path(run_dir) if run_dir and enabled else None
         self.kept: Path | None = None
         """The last run's metrics file, renamed (metrics.1.jsonl, ...) for this run's
@@ -116,7 +124,9 @@ class RunLog:
                 changes.files.append(target)
             elif config.get("resume"):
                 if self.resumed_step is not None:
-                    self.dropped = drop_records_after(self.folder, self.resumed_step)
+                    self.dropped = drop_records_after(
+                        self.folder, self.resumed_step, epoch_at_step=self.resumed_inside
+                    )
                 self.resumed_at = last_time(target)
             self._file = target.open("a", buffering=1)
         except OSError as exc:
@@ -231,11 +241,12 @@ def last_time(path: Path) -> float:
     return 0.0
 
 
-def drop_records_after(folder: Path, step: int) -> int:
+def drop_records_after(folder: Path, step: int, *, epoch_at_step: bool = False) -> int:
     """Drop the records after `step` from the run log in `folder`: metrics.jsonl's, and
     the rows of the csv logger's files for the kinds of record it holds (a line cut
-    short by a crash goes too). Each file is replaced whole, and only when something is
-    dropped; the number of metrics.jsonl's records dropped."""
+    short by a crash goes too); with `epoch_at_step`, the epoch's record at `step` too.
+    Each file is replaced whole, and only when something is dropped; the number of
+    metrics.jsonl's records dropped."""
     path = folder / "metrics.jsonl"
     keep: list[str] = []
     kinds: set[str] = set()
@@ -247,10 +258,12 @@ def drop_records_after(folder: Path, step: int) -> int:
         except (ValueError, TypeError, KeyError):  # half a line, or not a record
             continue
         kinds.add(str(kind))
-        if isinstance(at, int) and at <= step:
+        last = step - 1 if epoch_at_step and kind == "epoch" else step
+        if isinstance(at, int) and at <= last:
             keep.append(line)
     for kind in sorted(kinds):
-        drop_rows_after(folder / csv_name(kind), step)
+        last = step - 1 if epoch_at_step and kind == "epoch" else step
+        drop_rows_after(folder / csv_name(kind), last)
     if len(keep) == len(lines):
         return 0
     os.replace(_stage(path, "".join(f"{line}\n" for line in keep)), path)

@@ -39,7 +39,7 @@ from ddpkit.parallel.batches import (
 from ddpkit.parallel.data import ShardSampler, prepare_loader
 from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
-from ddpkit.parallel.ranks import broadcast_object, reduce_sums
+from ddpkit.parallel.ranks import all_gather, broadcast_object, reduce_sums
 from ddpkit.parallel.strategy import Strategy, prepare_model
 from ddpkit.parallel.sync import Accumulation
 from ddpkit.processes.preemption import StopVote, saving_on_signal
@@ -406,10 +406,15 @@ class Trainer:
         self.epoch = 0  # the epoch running, or the next one to run
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
-        # Training samples seen, all ranks together: exact at epoch ends; between them,
-        # this rank's count times the ranks (shards of equal length).
+        # Training samples seen, all ranks together, after each optimizer step.
         self.samples_seen = 0
         self._seen_before_epoch = 0
+        # The running epoch's sums on this rank: its training loss times samples, and its
+        # samples. A checkpoint written inside the epoch keeps every rank's, so that the
+        # epoch's record after a resume covers all of it (`_resume_sums`).
+        self._loss_sum = torch.zeros((), device=ctx.device)
+        self._count = 0
+        self._sums_epoch: int | None = None  # the epoch they are of
         self.should_stop = False
         self.best: float | None = None  # the best value of `config.keep_best` so far
         self._saved_step = -1  # the step of this run's newest checkpoint
@@ -417,6 +422,7 @@ class Trainer:
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
         self._resumed_step: int | None = None  # the run log drops its records after it, once
+        self._resumed_inside = False  # ... and that epoch's record: it resumed inside it
         self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
         self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
         self.last_checkpoint: Path | None = None
@@ -482,13 +488,22 @@ class Trainer:
 
     def _epochs(self) -> FitResult:
         cfg = self.config
-        # A resume from an older checkpoint trains its later steps again: their records go.
+        # A resume from an older checkpoint trains its later steps again: their records go;
+        # so does the record of the epoch it resumes inside, which it writes again.
         resumed, self._resumed_step = self._resumed_step, None
-        runlog = RunLog(cfg.run_dir, cfg.to_dict(), enabled=self.ctx.is_main, resumed_step=resumed)
+        inside = self._resumed_inside and not self._done()
+        runlog = RunLog(
+            cfg.run_dir,
+            cfg.to_dict(),
+            enabled=self.ctx.is_main,
+            resumed_step=resumed,
+            resumed_inside=inside,
+        )
         if runlog.dropped:
+            again = f" and the record of epoch {self.epoch + 1}" if inside else ""
             self.say(
                 f"{cfg.run_dir}: dropped {runlog.dropped} record(s) after step {resumed}, "
-                "the step this run resumed from"
+                f"the step this run resumed from{again}"
             )
         if not self._done():  # else resume said why not
             self.say(self._start_line())
@@ -504,18 +519,20 @@ class Trainer:
             for epoch in () if self._done() else epochs:
                 self._call("on_epoch_start", epoch)
                 self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
-                loss, n, seconds, whole = self._train_epoch(epoch, runlog)
-                samples, train_time = samples + n, train_time + seconds
+                loss, n, trained, seconds, whole = self._train_epoch(epoch, runlog)
+                samples, train_time = samples + trained, train_time + seconds
                 self.samples_seen = self._seen_before_epoch + n
                 # A run by steps may end inside an epoch, which a resume then continues.
                 if whole:
                     self.epoch, self.batch = epoch + 1, 0
                     if self._scheduler_per_epoch():
                         cast(LRScheduler, self.scheduler).step()
+                # The whole epoch's loss and samples, also when this run resumed inside
+                # it; the rate of what this run trained.
                 metrics = {
                     "loss": loss,
                     "samples": n,
-                    "samples_per_s": n / max(seconds, 1e-9),
+                    "samples_per_s": trained / max(seconds, 1e-9),
                     "lr": self._lr(),
                     "samples_seen": self.samples_seen,
                 }
@@ -565,18 +582,22 @@ class Trainer:
             or (cfg.max_steps is not None and self.global_step >= cfg.max_steps)
         )
 
-    def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, float, bool]:
-        """One pass over this rank's shard, or what is left of `max_steps`; returns
-        (global mean loss, global samples, seconds, whether the pass was whole)."""
-        model, device = self.model, self.ctx.device
+    def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, int, float, bool]:
+        """One pass over this rank's shard, or what is left of `max_steps`; returns the
+        epoch's global mean loss and samples (with those trained before a resume inside
+        it), the global samples of this pass, its seconds, and whether it was whole."""
+        model, device, world = self.model, self.ctx.device, self.ctx.world_size
         model.train()
-        # Accumulate on the device: calling .item() each step would stall the GPU.
-        loss_sum = torch.zeros((), device=device)
-        count = 0
+        if self._sums_epoch != epoch:  # else resumed (or continued) inside it: go on
+            # Accumulate on the device: calling .item() each step would stall the GPU.
+            self._loss_sum = torch.zeros((), device=device)
+            self._count, self._sums_epoch = 0, epoch
+            self._seen_before_epoch = self.samples_seen
+        seen_at_start = self.samples_seen
 
         def epoch_loss() -> float:
             """The epoch's mean loss so far, all ranks (a collective: every rank calls it)."""
-            total, n = reduce_sums([loss_sum, count], self.ctx)
+            total, n = reduce_sums([self._loss_sum, self._count], self.ctx)
             return total / max(n, 1)
 
         # Resumed from a checkpoint written mid-epoch: start after the batches it had
@@ -595,7 +616,6 @@ class Trainer:
         if self._resume_rng is not None:  # after the skip, which may draw random numbers
             set_rng_state(self._resume_rng)
             self._resume_rng = None
-        self._seen_before_epoch = self.samples_seen
         # A run by steps counts steps of max_steps; one by epochs, the epoch's batches.
         steps = self.config.max_steps
         progress = self._open_bar(
@@ -616,6 +636,7 @@ class Trainer:
         )
         start = time.perf_counter()
         whole = True
+        step_count = 0  # this rank's samples in the step running
         try:
             for batch, (num, den), step_now, position in micro_batches:
                 size_b = count_samples(batch)
@@ -634,13 +655,21 @@ class Trainer:
                 if dummy:
                     model.train()
                 else:
-                    loss_sum.add_(loss.detach().float(), alpha=size_b)
-                    count += size_b
+                    self._loss_sum.add_(loss.detach().float(), alpha=size_b)
+                    self._count += size_b
+                    step_count += size_b
                     if window is not None:
                         window.add(loss.detach(), size_b)
                 if step_now:
                     self.batch = position  # where a checkpoint written now resumes
-                    self.samples_seen = self._seen_before_epoch + count * self.ctx.world_size
+                    # The step's samples over all ranks: agreed on shards of unequal
+                    # length (already read), else as many on every rank.
+                    if isinstance(den, _Agreement):
+                        step_count = int(den.total())
+                    else:
+                        step_count *= world
+                    self.samples_seen += step_count
+                    step_count = 0
                     self._optimizer_step(window)
                     self._after_step(window, runlog, epoch, epoch_loss)
                     signum = self._vote.step() if self._vote is not None else 0
@@ -656,8 +685,9 @@ class Trainer:
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - start
         # One collective for the epoch's log, run by every rank (all ranks end together).
-        total_loss, n = reduce_sums([loss_sum, count], self.ctx)
-        return total_loss / max(n, 1), int(n), seconds, whole
+        total_loss, n = reduce_sums([self._loss_sum, self._count], self.ctx)
+        trained = self._seen_before_epoch + int(n) - seen_at_start
+        return total_loss / max(n, 1), int(n), trained, seconds, whole
 
     def _agreed_groups(self, batch_iter: Iterable[Any], skip: int) -> Iterator[_Micro]:
         """Micro-batches of shards whose lengths differ between ranks, or are unknown.
@@ -696,9 +726,10 @@ class Trainer:
             for m, (batch, n) in enumerate(zip(group, counts, strict=True)):
                 # DDP averages over the ranks; this rank's part of the step's mean.
                 yield batch, (float(world * n), agreed), m == runs - 1, position
-            # No data left here (or less than another rank's): take part, change nothing.
+            # No data left here (or less than another rank's): take part, change nothing
+            # (weight 0; the step's agreement, read already, says its samples).
             for m in range(len(group), runs):
-                yield self._last_batch, (0.0, 1.0), m == runs - 1, position
+                yield self._last_batch, (0.0, agreed), m == runs - 1, position
 
     def _optimizer_step(self, window: _Window | None) -> None:
         prec = self.precision
@@ -902,7 +933,8 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds (`ddpkit.checkpoint.state.checkpoint_state`, the
         schema `save_state` writes too); with strategy "fsdp" the model and optimizer
-        are written as shards instead (see `save`)."""
+        are written as shards instead (see `save`). Not the running epoch's sums of
+        every rank, which `save` gathers (a collective)."""
         return checkpoint_state(ctx=self.ctx, **self._parts())
 
     def save(self) -> Path:
@@ -910,8 +942,11 @@ class Trainer:
         a callback's `on_step_end`: a resumed run then continues with the next batch."""
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
+        parts = self._parts()
+        if self._sums_epoch == self.epoch:  # inside the epoch (same on every rank)
+            parts["extra"]["epoch_sums"] = self._gather_sums()
         self.last_checkpoint = save_state(
-            self.config.checkpoint_dir, self.ctx, **self._parts(), keep_last=self.config.keep_last
+            self.config.checkpoint_dir, self.ctx, **parts, keep_last=self.config.keep_last
         )
         self._saved_step = self.global_step
         self._call("on_checkpoint", self.last_checkpoint)
@@ -935,6 +970,30 @@ class Trainer:
             return False  # no better (a NaN never is)
         self.best = value
         return True
+
+    def _gather_sums(self) -> list[list[float]]:
+        """Every rank's running sums of the epoch, [loss times samples, samples] by rank
+        (a collective: every rank calls it). float32 sums as float64: exact."""
+        count = torch.tensor(self._count, dtype=torch.float64, device=self.ctx.device)
+        mine = torch.stack([self._loss_sum.double(), count])
+        return [[float(loss), int(n)] for loss, n in all_gather(mine).tolist()]
+
+    def _resume_sums(self, sums: list[list[float]] | None) -> None:
+        """Go on with the epoch's sums a checkpoint written inside it keeps (`save`): on
+        as many ranks as saved, each rank its own, so the epoch's record is bit for bit
+        the uninterrupted run's; on another number, rank 0 holds them all (the same
+        samples, the loss up to the order of the float sums). Without them (an older
+        checkpoint), the epoch's record covers what this run trains of it."""
+        if not sums:
+            return
+        if len(sums) == self.ctx.world_size:
+            loss, n = sums[self.ctx.rank]
+        else:
+            mine = self.ctx.is_main
+            loss, n = (sum(s[0] for s in sums), sum(s[1] for s in sums)) if mine else (0.0, 0.0)
+        self._loss_sum = torch.tensor(loss, dtype=torch.float32, device=self.ctx.device)
+        self._count, self._sums_epoch = int(n), self.epoch
+        self._seen_before_epoch = self.samples_seen - int(sum(s[1] for s in sums))
 
     def _keep_best(self) -> None:
         """Keep this step's checkpoint (written now unless it was already) as best.pt."""
@@ -991,10 +1050,11 @@ class Trainer:
                 f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
             )
         self.epoch, self.global_step, self.batch = saved.epoch, saved.step, saved.batch
-        self._resumed_step = saved.step
+        self._resumed_step, self._resumed_inside = saved.step, saved.batch > 0
         if self.batch:
             self._reposition(saved.loader)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
+        self._resume_sums(saved.extra.get("epoch_sums"))
         self.should_stop = bool(saved.extra.get("should_stop", False))
         self.best = saved.extra.get("best")
         self._judged_step = int(saved.extra.get("judged_step", -1))
