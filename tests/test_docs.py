@@ -27,6 +27,7 @@ import ddpkit
 from ddpkit import cli
 from ddpkit.check.rules import RULES
 from ddpkit.cli.run import AUDIT_STRICT_EXIT
+from ddpkit.cli.verify import NOTHING_TRAINED_EXIT
 from ddpkit.errors import ConfigError, HangError, Preempted, StoppedAtStart, WorkerError
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job
@@ -93,6 +94,7 @@ def test_exit_status_table_matches_the_code(
         "Ctrl-C": _status_of(KeyboardInterrupt(), monkeypatch),
         "SIGTERM": sigterm.value.code,
         "a strict audit found pitfalls": AUDIT_STRICT_EXIT,
+        "verify proved nothing": NOTHING_TRAINED_EXIT,
     }
     capsys.readouterr()
     assert actual == {
@@ -106,6 +108,7 @@ def test_exit_status_table_matches_the_code(
         "Ctrl-C": 130,
         "SIGTERM": 143,
         "a strict audit found pitfalls": 3,
+        "verify proved nothing": 4,
     }
     assert documented == set(actual.values())
 

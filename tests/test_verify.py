@@ -155,6 +155,24 @@ def test_jobs_of_dict_and_dataclass_batches_built_from_the_config_pass() -> None
         assert report.passed, report
 
 
+def test_a_job_in_which_no_parameter_changed_proves_nothing() -> None:
+    # Before: 'PASS ... largest difference: 0 after step 0', exit 0.
+    from ddpkit.cli.verify import NOTHING_TRAINED_EXIT
+
+    proc = run_cli(
+        "verify", "--job", "tests/verify_jobs.py:one_logit", "--steps", "3", "--json", cwd=ROOT
+    )
+    assert proc.returncode == NOTHING_TRAINED_EXIT, proc.stdout + proc.stderr
+    assert NOTHING_TRAINED_EXIT not in (0, 1, 2)
+    assert proc.stdout.startswith("NO PROOF  equivalence"), proc.stdout
+    assert "no parameter changed in 3 steps" in proc.stdout, proc.stdout
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["passed"] and report["trained"] is False and report["causes"] == []
+    # The near miss: a job whose loss moves the model passes, and says that it trained.
+    near_miss = ddpkit.verify(verify_jobs.dropout, ddpkit.TrainConfig(batch_size=16), steps=2)
+    assert near_miss.passed and near_miss.trained, str(near_miss)
+
+
 def _largest_line(**fields: Any) -> str:
     report = VerifyReport(
         "equivalence",

@@ -289,9 +289,10 @@ def test_a_main_that_takes_the_argparse_namespace_gets_it_from_the_main_block(
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.startswith(
-        "PASS  equivalence: 2 processes x batch 5 vs 1 process x batch 10, 5 steps"
+    assert "\nPASS  equivalence: 2 processes x batch 5 vs 1 process x batch 10, 5 steps" in (
+        out.stdout
     ), out.stdout
+    assert "Batchsize: 10" in out.stdout  # the one process's peek: twice the batch
     # The script's own parser refuses what it cannot take, in its words, then ddpkit's line.
     out = _verify_cli("--loop", f"{script}:main", "three", cwd=tmp_path)
     assert out.returncode == 2, out.stdout + out.stderr
@@ -404,5 +405,5 @@ def test_a_loop_whose_loss_is_always_zero_proves_nothing(tmp_path: Path) -> None
 
     assert out.returncode == NOTHING_TRAINED_EXIT, out.stdout + out.stderr
     assert NOTHING_TRAINED_EXIT not in (0, 1, 2)
-    assert out.stdout.startswith("NO PROOF  equivalence"), out.stdout
+    assert "\nNO PROOF  equivalence: 2 processes x batch 8" in out.stdout, out.stdout
     assert "no parameter changed in 3 steps" in out.stdout, out.stdout

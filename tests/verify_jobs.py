@@ -125,3 +125,11 @@ def hidden_scheduler(ctx: ddpkit.DistContext) -> ddpkit.Job:
     scheduler = torch.optim.lr_scheduler.StepLR(job.optimizer, step_size=2, gamma=0.5)
     job.callbacks = [_StepScheduler(scheduler)]
     return job
+
+
+def one_logit(ctx: ddpkit.DistContext) -> ddpkit.Job:
+    """The DDP tutorial's loss: cross entropy over the model's one logit, which is 0
+    whatever the model does, so SGD never moves a parameter."""
+    job = _job(ctx, nn.Sequential(nn.Linear(20, 8), nn.Tanh(), nn.Linear(8, 1)))
+    job.loss_fn = nn.functional.cross_entropy  # targets (batch, 1): probabilities of one class
+    return job

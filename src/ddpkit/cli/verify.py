@@ -30,6 +30,8 @@ _NOT_FOR_VERIFY = (
     "progress",
 )
 HELP = "check that N ranks compute what 1 process computes, or that resume is exact"
+# The runs agreed, but no parameter changed in them: no proof either way.
+NOTHING_TRAINED_EXIT = 4
 
 
 def add_parser(sub: Any) -> None:
@@ -43,7 +45,7 @@ def add_parser(sub: Any) -> None:
             "in the same data order, and compare every parameter and buffer after each "
             "step. --resume: run the steps straight, and half + checkpoint + resume in a "
             "fresh launch + half, and require bit-for-bit equal state. CPU and gloo only. "
-            "Exit status 0 for PASS, 1 for FAIL."
+            "Exit status 0 for PASS, 1 for FAIL, 4 when no parameter changed (no proof)."
         ),
     )
     add_job_flags(p)
@@ -58,8 +60,10 @@ def add_parser(sub: Any) -> None:
         "loop_args",
         nargs="*",
         metavar="ARG",
-        help="with --loop: what main takes after ctx, each read as a Python literal when "
-        "it is one (3, 0.1, True), else as text",
+        help="with --loop: the file's command line when its __main__ block calls "
+        "ddpkit.launch(main, ...) (put it after --), main takes what that call passes; "
+        "else what main takes after ctx, each read as a Python literal when it is one "
+        "(3, 0.1, True), else as text",
     )
     p.add_argument("--nproc", type=int, default=2, help="processes to compare with 1 (default 2)")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps to run (default 8)")
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.cli.flags import job_and_config, print_job_help
     from ddpkit.errors import ConfigError
     from ddpkit.verification import verify
+    from ddpkit.verification.runs import script_loop_args
 
     if args.job_help:
         return print_job_help(args)
@@ -99,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
             f"unexpected arguments {' '.join(args.loop_args)!r}: they go to a loop, so "
             "pass --loop FILE.py:main before them"
         )
+    loop_args = None
+    if args.loop is not None:  # a script whose __main__ block launches main: its command line
+        loop_args = script_loop_args(args.loop, args.loop_args)
+    if loop_args is None:
+        loop_args = tuple(_literal(a) for a in args.loop_args)
     job, config = (None, None) if args.loop is not None else job_and_config(args)
     check_processes("--nproc", args.nproc, allow=args.allow_oversubscribe)  # CPU ranks only
     if config is not None:
@@ -107,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         job,
         config,
         loop=args.loop,
-        loop_args=[_literal(a) for a in args.loop_args],
+        loop_args=loop_args,
         nproc=args.nproc,
         steps=args.steps,
         resume=args.check_resume,
@@ -119,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     print(report, flush=True)
     if args.json:
         print(json.dumps(report.to_dict()), flush=True)
-    return 0 if report.passed else 1
+    if report.passed:
+        return 0
+    return NOTHING_TRAINED_EXIT if report.proved_nothing else 1
 
 
 def _literal(text: str) -> Any:

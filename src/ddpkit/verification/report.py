@@ -29,13 +29,20 @@ class VerifyReport:
     differences: list[str] = field(default_factory=list)
     causes: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # equivalence: whether any parameter changed in the N-rank run (None: not asked)
+    trained: bool | None = None
+
+    @property
+    def proved_nothing(self) -> bool:
+        """The runs agree, but no parameter changed: agreement proves nothing then."""
+        return self.trained is False and self.first_divergence is None and not self.causes
 
     def to_dict(self) -> dict[str, Any]:
         """The report's fields, as `ddpkit verify --json` prints them."""
         return dict(self.__dict__)
 
     def __str__(self) -> str:
-        verdict = "PASS" if self.passed else "FAIL"
+        verdict = "PASS" if self.passed else "NO PROOF" if self.proved_nothing else "FAIL"
         if self.check == "equivalence":
             what = (
                 f"{self.nproc} processes x batch {self.batch_size} vs 1 process x batch "
@@ -55,6 +62,13 @@ class VerifyReport:
             lines.append(
                 f"  first divergence: step {d['step']}, {d['tensor']}: max abs diff "
                 f"{d['max_abs']:.3g}, max rel diff {d['max_rel']:.3g}"
+            )
+        if self.proved_nothing:
+            lines.append(
+                f"  nothing trained: no parameter changed in {self.steps} steps, so the runs "
+                "agree whatever the job does wrong: check that the loss depends on the model "
+                "(cross_entropy over a single logit is always 0), the learning rate is not 0 "
+                "and the parameters are not frozen"
             )
         lines += [f"  differs: {d}" for d in self.differences]
         lines += [f"  likely cause: {c}" for c in self.causes]

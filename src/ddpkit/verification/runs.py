@@ -4,9 +4,12 @@ model's state (with the means to walk and compare nested states)."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -40,6 +43,90 @@ def resolve_loop(loop: LoopRef) -> Callable[[DistContext], Any]:
         text = str(exc).replace("--job", "--loop").replace(":build", ":main")
         text = text.replace("build(ctx) returns a ddpkit.Job", "main(ctx) trains")
         raise ConfigError(text) from None
+
+
+def script_loop_args(loop: str, argv: Sequence[str]) -> tuple[Any, ...] | None:
+    """What `main` gets after `ctx` when its file runs as `python FILE ARGV...`: the
+    arguments its `if __name__ == "__main__":` block passes to `ddpkit.launch(main, ...)`
+    (an argparse namespace, or values read from it). The block runs in this process,
+    with `argv` as its command line, up to that call, which starts nothing. None when
+    the block does not call `launch(main, ...)`: then `argv` is main's own arguments.
+
+    Raises:
+        ConfigError: the block calls `main(...)` itself (verify passes `ctx` first, as
+            launch does), its own parser refused `argv`, or it ended before the call.
+    """
+    fn = resolve_loop(loop)
+    path, name = fn.__code__.co_filename, fn.__name__
+    try:
+        tree = ast.parse(Path(path).read_text(), path)
+    except (OSError, SyntaxError, ValueError):
+        return None  # not a file of Python source: main's own arguments, then
+    launches, direct = [], []
+    for block in tree.body:
+        if isinstance(block, ast.If) and _is_main_test(block.test):
+            for node in ast.walk(block):
+                if isinstance(node, ast.Call) and _names(node.func, name):
+                    direct.append(node)
+                elif (
+                    isinstance(node, ast.Call)
+                    and _names(node.func, "launch", attribute=True)
+                    and node.args
+                    and _names(node.args[0], name)
+                ):
+                    launches.append(node)
+    if not launches:
+        if direct:
+            raise ConfigError(
+                f"{path}:{direct[0].lineno} calls {name}(...) itself, and verify --loop "
+                f"calls {name}(ctx, ...) as ddpkit.launch does: call "
+                f"ddpkit.launch({name}, ...) there"
+            )
+        return None
+    for call in launches:  # the call starts nothing: it hands its arguments over
+        call.func = ast.copy_location(ast.Name("__ddpkit_launched__", ast.Load()), call.func)
+    code = compile(ast.fix_missing_locations(tree), path, "exec")
+    scope = {"__name__": "__main__", "__file__": path, "__ddpkit_launched__": _launched}
+    saved = sys.argv
+    sys.argv = [path, *argv]
+    try:
+        exec(code, scope)
+    except _Launched as launched:
+        return launched.args
+    except SystemExit as exc:  # its parser printed why (or its --help)
+        raise ConfigError(
+            f"{path} stopped with status {exc.code} on the command line "
+            f"{' '.join(argv)!r}: pass after --loop {loop} what python {path} takes"
+        ) from None
+    finally:
+        sys.argv = saved
+    raise ConfigError(
+        f"the __main__ block of {path} ended without calling ddpkit.launch({name}, ...) on "
+        f"the command line {' '.join(argv)!r}: pass the arguments that make it train"
+    )
+
+
+class _Launched(Exception):
+    """Ends a script's `__main__` block at its `launch(main, ...)`, with main's arguments."""
+
+
+def _launched(fn: Any, *args: Any, **launch_options: Any) -> None:
+    raise _Launched(*args)
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return isinstance(test.ops[0], ast.Eq) and any(_names(s, "__name__") for s in sides)
+
+
+def _names(node: ast.expr, name: str, *, attribute: bool = False) -> bool:
+    """`node` is the name `name` (with `attribute`, also `anything.name`)."""
+    if isinstance(node, ast.Name):
+        return node.id == name
+    return attribute and isinstance(node, ast.Attribute) and node.attr == name
 
 
 def check_args(config: TrainConfig | None, nproc: int, steps: int, minimum: int) -> TrainConfig:
