@@ -75,6 +75,13 @@ def _options_parser() -> argparse.ArgumentParser:
     )
     add_process_flags(p)
     p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="rehearse a GPU script on CPU ranks over gloo, unedited: nccl, .cuda(), "
+        ".to(local_rank), DDP(device_ids=...), autocast and the like run on the CPU; "
+        "one process per CPU core unless --nproc says otherwise",
+    )
+    p.add_argument(
         "--rank-prefix",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -183,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
         if args.local_ranks_filter is None
         else parse_local_ranks(args.local_ranks_filter),
         log_dir=args.log_dir,
+        cpu=args.cpu,
     )
     command, nproc = _validate(args)
     settings = dataclasses.replace(settings, nprocs=nproc)  # --local-ranks-filter checked
@@ -266,7 +274,7 @@ def _validate(args: argparse.Namespace) -> tuple[list[str], int]:
     import ddpkit.processes.agent  # noqa: F401
     from ddpkit.processes.machine import resolve_backend, resolve_nprocs
 
-    backend = resolve_backend("auto")
+    backend = resolve_backend("gloo" if args.cpu else "auto")
     nproc = resolve_nprocs(args.nproc, backend)
     if backend == "gloo":
         check_processes("--nproc", nproc, allow=args.allow_oversubscribe)

@@ -45,6 +45,7 @@ from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.machine import threads_per_rank  # noqa: E402
 from ddpkit.processes.output import RankOutput  # noqa: E402
+from ddpkit.processes.rehearse import REFUSED_EXIT, REHEARSE_ENV  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
     Hang,
@@ -114,6 +115,8 @@ def run_script(
     }
     if on_audit is not None:
         env[AUDIT_ENV] = "1"
+    if opts.cpu:
+        env[REHEARSE_ENV] = "1"
     if not single:
         # Every node's watch judges every rank, so the ranks report to the store too.
         env["DDPKIT_STATUS_STORE"] = f"{host}:{port}"
@@ -424,6 +427,8 @@ def _supervise(
     except ChildFailedError as exc:
         if _said_preempted(status):  # a worker got the signal itself
             return PREEMPTED_EXIT
+        if _said_refused(status):  # --cpu met a call it cannot rehearse
+            return REFUSED_EXIT
         if watch is not None and watch.hang is not None:  # its workers were killed
             print(_HANG_STOPPED, file=sys.stderr, flush=True)
             return HANG_EXIT
@@ -513,6 +518,16 @@ class _Logs:
 def _said_preempted(status: Path) -> bool:
     """Whether the ranks saved and stopped on a signal; if so, say so (once)."""
     said = read_reports(_latest_attempt(status), ".preempted.json")
+    if not said:
+        return False
+    print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)
+    return True
+
+
+def _said_refused(status: Path) -> bool:
+    """Whether a rank of `--cpu` met a call it cannot rehearse; if so, say the first
+    rank's line (every rank meets the same one, most often)."""
+    said = read_reports(_latest_attempt(status), ".refused.json")
     if not said:
         return False
     print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)

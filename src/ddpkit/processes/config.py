@@ -86,6 +86,11 @@ class LaunchConfig:
     log_dir: str | None = None
     """`ddpkit run`: a folder for each rank's output (stdout and stderr), `rank<N>.log`;
     None: the logs are kept only when the job fails, in a folder named then."""
+    cpu: bool = False
+    """`ddpkit run --cpu`: rehearse a GPU script on CPU ranks over gloo, unedited: its
+    CUDA calls are mapped onto the CPU in each rank (see `ddpkit.processes.rehearse`),
+    and the job is a CPU job (gloo, one process per core unless nprocs says otherwise,
+    the cores shared out between the ranks)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (

@@ -10,6 +10,7 @@ import subprocess
 import torch
 
 from ddpkit.errors import ConfigError
+from ddpkit.processes.rehearse import REHEARSE_ENV
 
 
 def under_torchrun() -> bool:
@@ -53,6 +54,8 @@ def gpu_count() -> int:
     forked after it).
     """
     global _CUDA_DRIVER_USED
+    if os.environ.get(REHEARSE_ENV):  # a rank of `ddpkit run --cpu`: ddpkit's own code runs on CPU
+        return 0
     if not torch.backends.cuda.is_built() or torch.version.hip:  # type: ignore[no-untyped-call]
         return torch.cuda.device_count()  # 0 on a CPU build; ROCm counts its own way
     nvml = getattr(torch.cuda, "_device_count_nvml", None)

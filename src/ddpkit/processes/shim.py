@@ -69,6 +69,18 @@ def _note_process_group(folder: Path, rank: int) -> None:
     dist.init_process_group = init_process_group
 
 
+def _refused(folder: Path | None, rank: int, exc: BaseException) -> int:
+    """A call that `ddpkit run --cpu` cannot rehearse: the agent says it in one line."""
+    from ddpkit.processes.rehearse import REFUSED_EXIT
+    from ddpkit.processes.watchdog import write_json
+
+    if folder is None:
+        print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
+    else:
+        write_json(folder / f"rank{rank}.refused.json", {"message": str(exc)})
+    return REFUSED_EXIT
+
+
 def main() -> None:
     # First, before the imports that take seconds (torch): torchrun's agent stops every
     # rank as soon as one fails, and what a rank says while it starts is its output too.
@@ -76,7 +88,7 @@ def main() -> None:
 
     attach()
     from ddpkit.errors import PREEMPTED_EXIT, Preempted
-    from ddpkit.processes import audit
+    from ddpkit.processes import audit, rehearse
     from ddpkit.processes.audit import AUDIT_ENV
     from ddpkit.processes.launcher import ReleasedByLaunch
     from ddpkit.processes.watchdog import Watchdog, record_error, write_json
@@ -100,6 +112,8 @@ def main() -> None:
             recorder = audit.install(rank)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
+    if rehearse.rehearsing():  # --cpu: after the audit's hooks, which it wraps
+        rehearse.install()
     sys.argv = [target, *rest]
     code, released = 0, False
     try:
@@ -112,6 +126,8 @@ def main() -> None:
         code = PREEMPTED_EXIT
         if folder is not None:
             write_json(folder / f"rank{rank}.preempted.json", {"message": str(exc)})
+    except rehearse.NotRehearsable as exc:  # --cpu met a call it cannot run
+        code = _refused(folder, rank, exc)
     except SystemExit as exc:
         released = isinstance(exc, ReleasedByLaunch)
         if exc.code not in (0, None):
@@ -123,12 +139,16 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the agent says it once
         code = 130
     except BaseException as exc:
-        code = 1
-        # The agent shows the first failing rank's; every rank's is in its log.
-        if not log_only(traceback.format_exc()):
-            traceback.print_exc()
-        if folder is not None:
-            record_error(folder, rank, exc)
+        refused = rehearse.refusal(exc) if rehearse.rehearsing() else None
+        if refused is not None:  # --cpu: a CUDA call that it does not map
+            code = _refused(folder, rank, refused)
+        else:
+            code = 1
+            # The agent shows the first failing rank's; every rank's is in its log.
+            if not log_only(traceback.format_exc()):
+                traceback.print_exc()
+            if folder is not None:
+                record_error(folder, rank, exc)
     if recorder is not None and folder is not None:
         audit.finish(recorder, folder)
     if code == 0 and folder is not None:
