@@ -169,6 +169,29 @@ def test_the_mapping_table_is_the_readmes() -> None:
     assert readme.count("\n") >= 15
 
 
+def test_the_guide_says_how_to_get_a_torchvision_that_matches_torch() -> None:
+    # PyPI's torchvision is built for PyPI's torch: beside the CPU build of torch that
+    # constraints.txt pins, it fails on import (`operator torchvision::nms does not
+    # exist`). The guide names the symptom and where a matching build comes from.
+    guide = " ".join(_page("guide.md").split())
+    assert "torchvision::nms does not exist" in guide
+    assert "--index-url https://download.pytorch.org/whl/cpu" in guide
+
+
+def test_the_table_says_what_the_reductions_return() -> None:
+    # Fabric's all_reduce and Accelerate's reduce return tensors; ddpkit's return Python
+    # floats (`.item()` on one fails): the table says so, and it is true.
+    import torch
+
+    import ddpkit
+
+    rows = [row for row in README.splitlines() if "ddpkit.reduce_sum(" in row]
+    assert len(rows) == 1 and "a Python float" in rows[0], rows
+    assert "all_reduce" in rows[0] and "accelerator.reduce" in rows[0]
+    assert type(ddpkit.reduce_sum(torch.tensor(2.0))) is float
+    assert type(ddpkit.reduce_mean(torch.tensor(2.0))) is float
+
+
 def test_checkpoint_names_are_as_written() -> None:
     """Checkpoints are `ckpt-000000069.pt` (the step, 9 digits): no `ckpt-<step>.pt`."""
     for page in PAGES:
