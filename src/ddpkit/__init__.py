@@ -100,6 +100,11 @@ if TYPE_CHECKING:
     from ddpkit.verification import verify
 
 
+# Note how the RNGs stand before the script seeds them: launch's ranks start from the
+# streams the script seeded, the others from fresh entropy (see ddpkit.seed). torch-free.
+importlib.import_module("ddpkit.seed")
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:

@@ -67,8 +67,10 @@ from ddpkit.processes.start import (
 )
 from ddpkit.processes.store import HashStore, listening_socket, serve_store
 from ddpkit.processes.workers import ParentFd, Spec, worker
+from ddpkit.seed import note_streams, seeded_by_script
 
 log = logging.getLogger("ddpkit")
+note_streams()  # torch's and NumPy's RNGs, now imported (see seeded_by_script)
 
 T = TypeVar("T")
 Backend = Literal["auto", "gloo", "nccl"]
@@ -316,6 +318,9 @@ def _spawn(
         hang_timeout=hang_timeout,
         trace_dir=str(traces) if traces else None,
         audit_dir=str(audited) if audited else None,
+        # Each rank starts from the streams the script seeded, the others fresh: as if it
+        # ran the script itself (ddpkit run), not as a copy of this process's draws.
+        rng=seeded_by_script(),
     )
     log.debug("starting %d workers with %s", n, method)
     # Python 3.12+ warns at every fork while threads run. "auto" forks then only for a

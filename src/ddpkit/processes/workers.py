@@ -36,6 +36,7 @@ from ddpkit.processes.preemption import (
 )
 from ddpkit.processes.store import TCPStore, loopback_interface
 from ddpkit.processes.watchdog import Watchdog, format_exception, waited_in
+from ddpkit.seed import start_rank_streams
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Spec:
     hang_timeout: float = 0.0  # ddpkit's hang timeout (0: off): NCCL's must be shorter
     trace_dir: str | None = None  # where NCCL's flight recorder dumps on a timeout
     audit_dir: str | None = None  # where an audited rank writes what it saw (launch(audit=True))
+    rng: dict[str, Any] | None = None  # the RNG streams the script seeded (seeded_by_script)
 
 
 class ParentFd:
@@ -169,6 +171,9 @@ def worker(
     # The launcher learns of this rank's first optimizer step: until some rank has
     # taken one, a stop signal loses nothing and the job ends as StoppedAtStart.
     recorder = audit.install(rank) if spec.audit_dir else None
+    # Forked (by launch or the forkserver), this rank holds a copy of another process's
+    # RNGs: every rank would draw the same "random" numbers.
+    start_rank_streams(spec.rng or {})
     with starting_up(on_first_step=lambda: _say_trained(conn)):
         code = _run_rank(rank, spec, fn, args, conn, group_timeout, watchdog)
     if recorder is not None and spec.audit_dir:
