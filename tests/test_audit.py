@@ -9,6 +9,7 @@ only `--audit=strict` turns findings into exit status 3.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -301,3 +302,179 @@ def test_a_strict_audit_keeps_the_jobs_own_exit_status(
     assert out.returncode == code, out.stderr[-3000:]
     said = out.stdout + out.stderr
     assert ("DDP103" if pitfall == "error" else "DDP105") in said, said[-3000:]
+
+
+# -- findings inside a library point at the user's line (issue 42, item 7) ---------------
+# A stand-in for an installed training library in Accelerate's shape: the calls that
+# reach torch (the optimizer's step, torch.save) are made in its file, not the script's.
+LIBRARY = """
+import torch
+
+
+class AcceleratedOptimizer:
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self):
+        self.optimizer.step()  # library: step
+
+
+class Accelerator:
+    def prepare(self, optimizer):
+        return AcceleratedOptimizer(optimizer)
+
+    def save(self, obj, path):
+        torch.save(obj, path)  # library: save
+"""
+
+# A torchrun-style script on that library. It wraps nothing in DDP (as a port that
+# forgot `accelerator.prepare(model)`), each rank draws its own batches, and every rank
+# saves: DDP112 at its step, DDP103 at its save, both reached inside the library.
+LIBRARY_USER = """
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minacc import Accelerator
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    accelerator = Accelerator()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.Dropout(0.1), nn.GELU(), nn.Linear(12, 3))
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer.optimizer, T_max=4)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        x = torch.randn(8, 6, generator=g)
+        batch = {"x": x, "label": torch.randint(0, 3, (8,), generator=g)}
+        loss = nn.functional.cross_entropy(model(batch["x"]), batch["label"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # audit: DDP112
+        scheduler.step()
+    accelerator.save(model.state_dict(), "model.pt")  # audit: DDP103
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _line_of(text: str, marker: str) -> int:
+    (line,) = [n for n, row in enumerate(text.splitlines(), 1) if marker in row]
+    return line
+
+
+@pytest.mark.parametrize("installed", ["site-packages", "sys.path"])
+def test_a_finding_inside_a_library_points_at_the_users_line(
+    tmp_path: Path, installed: str
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    script = project / "train.py"
+    script.write_text(LIBRARY_USER)
+    # Installed in a venv inside the project (site-packages, even under the current
+    # folder, is not the user's), or a folder on PYTHONPATH beside it.
+    if installed == "site-packages":
+        libs = project / ".venv" / "lib" / "python3.11" / "site-packages"
+    else:
+        libs = tmp_path / "vendor"
+    (libs / "minacc").mkdir(parents=True)
+    (libs / "minacc" / "__init__.py").write_text(LIBRARY)
+    out = run_cli(
+        *("run", "--nproc", "2", "--audit", "--format", "json", str(script)),
+        timeout=120,
+        env={"PYTHONPATH": os.pathsep.join([str(libs), os.environ.get("PYTHONPATH", "")])},
+        cwd=project,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = _findings(out.stdout)
+    got = {(Path(f["path"]).name, f["line"], f["code"]) for f in found}
+    assert got == _markers(script), json.dumps(found, indent=1)
+    by_code = {f["code"]: f["message"] for f in found}
+    # The library's frame comes second, in the message.
+    step, save = _line_of(LIBRARY, "library: step"), _line_of(LIBRARY, "library: save")
+    assert f"minacc/__init__.py:{step}" in by_code["DDP112"], by_code["DDP112"]
+    assert f"minacc/__init__.py:{save}" in by_code["DDP103"], by_code["DDP103"]
+    # No DDP wrap on any rank: the finding names the missing wrap, not another cause.
+    assert "no DistributedDataParallel or FSDP wrapped" in by_code["DDP112"], by_code["DDP112"]
+    assert "on any rank" in by_code["DDP112"] and "rank-dependent" not in by_code["DDP112"]
+
+
+def test_a_ddp_wrap_skipped_on_every_rank_is_named(tmp_path: Path) -> None:
+    # imagenet's main.py on CPU: the script destroys its group itself, after which the
+    # audit no longer holds the parameters (it named "a rank-dependent update").
+    out = _audit(SCRIPTS / "skips_ddp_wrap.py", tmp_path, "--audit", "--format", "json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (finding,) = _findings(out.stdout)
+    assert finding["code"] == "DDP112"
+    assert (
+        "no DistributedDataParallel or FSDP wrapped these parameters on any rank"
+        in (finding["message"])
+    ), finding["message"]
+    assert "wrap the model" in finding["message"]
+
+
+# -- a crashed run is no forgotten teardown; the audit's frames stay out of tracebacks ----
+# The DDP tutorial's multigpu_torchrun.py shape (its own group and DDP, destroyed at the
+# end), that crashes as `sys.argv[1]` says: "raise" (rank 1 meets a bad batch at step 2),
+# "load" (a resume from a checkpoint that is not there: torch.load raises in every rank).
+CRASHING = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main(how):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(5, 7), nn.Dropout(0.2), nn.Tanh(), nn.Linear(7, 1)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if how == "load":
+        model.module.load_state_dict(torch.load("snapshot.pt"))  # crash: load
+    for step in range(4):
+        if how == "raise" and rank == 1 and step == 2:
+            raise ValueError("a bad batch")  # crash: raise
+        x = torch.randn(6, 5)
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "load"])
+def test_a_crashed_run_gets_no_teardown_warning_and_no_audit_frames(
+    tmp_path: Path, how: str
+) -> None:
+    script = tmp_path / "multigpu_torchrun.py"
+    script.write_text(CRASHING)
+    out = run_cli(
+        *("run", "--nproc", "2", "--audit", str(script), how),
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    said = out.stdout + out.stderr
+    assert out.returncode == 1, said[-3000:]
+    # The script destroys its group at its end, which a crash never reaches.
+    assert "DDP111" not in said and "still alive" not in said, said[-3000:]
+    # The traceback shows the user's frames only: not the audit's hooks around torch.
+    crash_line = _line_of(CRASHING, f"crash: {how}")
+    assert f'multigpu_torchrun.py", line {crash_line}' in out.stderr, out.stderr[-3000:]
+    assert "audit.py" not in out.stderr and "audited_" not in out.stderr, out.stderr[-3000:]

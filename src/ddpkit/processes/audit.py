@@ -5,7 +5,7 @@ puts hooks on the few calls that matter (the optimizer's step, `torch.save` and
 `torch.load`, `DistributedSampler`, `DistributedDataParallel`, the process group's
 start and end) and `finish` writes what they saw to `rank<N>.audit.json`. At the end,
 `findings` reads every rank's file and reports only what happened, under the checker's
-codes, at the user's file and line:
+codes, at the user's file and line (see `_user_site`):
 
 - DDP112, ranks trained different weights: the parameters that optimizers stepped
   differ between ranks when the group is destroyed (or at exit);
@@ -16,7 +16,8 @@ codes, at the user's file and line:
 - DDP105 (info), a DDP-wrapped model with BatchNorm layers that are not synchronised;
 - DDP107 (GPUs), `torch.load` on one rank returned tensors on another rank's GPU;
 - DDP109 (GPUs), an nccl group on a rank whose current GPU is not its local rank;
-- DDP111, the process group still alive at exit.
+- DDP111, the process group still alive at exit (of a job that ended well: a crash is
+  no forgotten teardown).
 
 The hooks cost a dictionary lookup per optimizer step and nothing per batch; the
 weights are hashed once, after training. Nothing synchronises the device or talks to
@@ -50,27 +51,68 @@ _SEVERITY = {
     "DDP111": Severity.WARNING,
     "DDP112": Severity.ERROR,
 }
-# Frames of these are not the user's code: a finding points past them.
+# Frames of these are never a finding's place: it points past them.
 _NOT_USER = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # ddpkit
-    os.path.dirname(os.__file__),  # the standard library (runpy, importlib)
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ""),  # ddpkit
+    os.path.join(os.path.dirname(os.__file__), ""),  # the standard library (runpy, importlib)
 )
+# Where installed packages live: never the user's own files, even inside the project
+# (a venv in it).
+_INSTALLED = ("site-packages", "dist-packages")
 
-Site = tuple[str, int]  # (absolute path, line)
+# (absolute path, line, and the library frame the user's line led to: "" or "path:line")
+Site = tuple[str, int, str]
 
 
 def _user_site() -> Site:
-    """The innermost frame of the user's code on the stack (file, line)."""
+    """Where the user's code led to the hook that calls this: the innermost frame of the
+    user's own files, and the library's frame inside it (accelerate's or timm's call of
+    `torch.save`, say), or "" when the user's line called torch itself.
+
+    The user's own files are those under the script's folder or the current folder,
+    except installed packages (site-packages, dist-packages), the standard library,
+    torch and ddpkit. Every other file is a library's. With no user's frame on the stack,
+    the library's innermost frame is the place."""
     import torch
 
-    skipped = (*_NOT_USER, os.path.dirname(os.path.abspath(torch.__file__)))
+    skipped = (*_NOT_USER, os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""))
+    roots = _user_roots()
+    library: tuple[str, int] | None = None
     frame = sys._getframe(1)
     while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(skipped) and not path.startswith("<"):
-            return path, frame.f_lineno
+        name = frame.f_code.co_filename
+        path = os.path.abspath(name)
+        if not name.startswith("<") and not path.startswith(skipped):
+            if path.startswith(roots) and not _installed(path):
+                return path, frame.f_lineno, _library_frame(library)
+            library = library or (path, frame.f_lineno)
         frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>", 0
+    return (*library, "") if library else ("<unknown>", 0, "")
+
+
+def _user_roots() -> tuple[str, ...]:
+    """The folders of the user's own files: the script's and the current one."""
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    roots = {os.path.join(os.getcwd(), "")}
+    if main:
+        roots.add(os.path.join(os.path.dirname(os.path.abspath(main)), ""))
+    return tuple(roots)
+
+
+def _installed(path: str) -> bool:
+    return any(part in _INSTALLED for part in path.split(os.sep))
+
+
+def _library_frame(frame: tuple[str, int] | None) -> str:
+    """A library's frame as `package/file.py:line` (from its site-packages), else by
+    its path."""
+    if frame is None:
+        return ""
+    path, line = frame
+    parts = path.split(os.sep)
+    installed = [i for i, part in enumerate(parts) if part in _INSTALLED]
+    shown = "/".join(parts[installed[-1] + 1 :]) if installed else _shown(path)
+    return f"{shown}:{line}"
 
 
 def _tensor_digest(tensor: Any) -> str:
@@ -96,14 +138,18 @@ class _Recorder:
     wrapped: set[int] = field(default_factory=set)  # ids of parameters inside a DDP
     init_site: Site | None = None
     digests: list[list[str]] | None = None
+    wraps: list[bool] | None = None  # per optimizer: DDP (or FSDP) holds all its parameters
+    failed: bool = False  # the rank's script raised or exited non-zero
     sampler_sites: dict[int, Site] = field(default_factory=dict)
     sampler_epochs: dict[int, set[int]] = field(default_factory=dict)
 
     def event(self, code: str, site: Site, message: str) -> None:
-        key = (code, site)
-        if any((e["code"], (e["path"], e["line"])) == key for e in self.events):
+        key = (code, site[0], site[1])
+        if any((e["code"], e["path"], e["line"]) == key for e in self.events):
             return
-        self.events.append({"code": code, "path": site[0], "line": site[1], "message": message})
+        self.events.append(
+            {"code": code, "path": site[0], "line": site[1], "via": site[2], "message": message}
+        )
 
     # -- the hooks ------------------------------------------------------------------
 
@@ -205,13 +251,20 @@ class _Recorder:
             [_tensor_digest(p) for p in opt.params if not _sharded(p)]
             for opt in self.optimizers.values()
         ]
+        # Now, while the parameters are held (see the hook on destroy_process_group).
+        # FSDP's are sharded: FSDP holds them.
+        self.wraps = [
+            all(_sharded(p) or id(p) in self.wrapped for p in opt.params)
+            for opt in self.optimizers.values()
+        ]
 
     # -- the end -----------------------------------------------------------------------
 
     def write(self, folder: Path) -> None:
         import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized() and self.init_site is not None:
+        alive = dist.is_available() and dist.is_initialized()
+        if alive and self.init_site is not None and not self.failed:  # a crash skips teardown
             self.event(
                 "DDP111",
                 self.init_site,
@@ -222,15 +275,14 @@ class _Recorder:
             self.take_digests()
         log = {
             "rank": self.rank,
+            "failed": self.failed,
             "events": self.events,
             "saves": self.saves,
             "optimizers": [
-                {
-                    "site": list(opt.site),
-                    "wrapped": all(id(p) in self.wrapped for p in opt.params),
-                    "digests": digests,
-                }
-                for opt, digests in zip(self.optimizers.values(), self.digests or [], strict=False)
+                {"site": list(opt.site), "wrapped": wrapped, "digests": digests}
+                for opt, digests, wrapped in zip(
+                    self.optimizers.values(), self.digests or [], self.wraps or [], strict=False
+                )
             ],
         }
         write_json(folder / _LOG.format(rank=self.rank), log)
@@ -345,8 +397,10 @@ def install(rank: int) -> _Recorder:
     return recorder
 
 
-def finish(recorder: _Recorder, folder: Path) -> None:
-    """Write what this rank's hooks saw (at the end of the script, crashed or not)."""
+def finish(recorder: _Recorder, folder: Path, *, failed: bool = False) -> None:
+    """Write what this rank's hooks saw (at the end of the script, crashed or not:
+    `failed` when it raised or exited non-zero)."""
+    recorder.failed = failed
     try:
         recorder.write(folder)
     except Exception as exc:  # the audit never turns a finished job into a failed one
@@ -371,14 +425,21 @@ def findings(folder: Path) -> list[Finding]:
         key = (code, str(site[0]), int(site[1]))
         if key not in found:
             path = _shown(str(site[0]))
+            via = str(site[2]) if len(site) > 2 else ""
+            if via:  # the library's frame, second
+                message = f"{message} (from this line, inside {via})"
             found[key] = Finding(path, int(site[1]), 1, code, _SEVERITY[code], message)
 
+    # A rank that crashed never reached its teardown: its group alive is no finding.
+    crashed = any(log.get("failed") for log in logs)
     for log in logs:
         for e in log["events"]:
+            if crashed and e["code"] == "DDP111":
+                continue
             ranks = [str(other["rank"]) for other in logs if _has_event(other, e)]
             add(
                 e["code"],
-                (e["path"], e["line"]),
+                (e["path"], e["line"], e.get("via", "")),
                 f"{e['message']} (seen on rank {', '.join(ranks)})",
             )
     writers: dict[str, list[tuple[int, list[Any]]]] = {}
@@ -438,20 +499,26 @@ def _compare_weights(logs: list[dict[str, Any]], add: Any) -> None:
         )
         ranks = ", ".join(str(log["rank"]) for log in differ)
         unwrapped = [str(log["rank"]) for log in logs if not log["optimizers"][i]["wrapped"]]
-        if unwrapped:
+        if len(unwrapped) == len(logs):
             cause = (
-                f"no DistributedDataParallel wraps these parameters on rank "
+                "no DistributedDataParallel or FSDP wrapped these parameters on any rank, so "
+                "nothing averaged their gradients: wrap the model "
+                "(`DistributedDataParallel(model)`), or average the gradients yourself"
+            )
+        elif unwrapped:
+            cause = (
+                f"likely cause: no DistributedDataParallel wraps these parameters on rank "
                 f"{', '.join(unwrapped)}, so their gradients were never averaged (a path that "
                 "skips the DDP wrap, such as a CPU branch)"
             )
         else:
             cause = (
-                "a rank-dependent update: a step, a change or a random draw made on some ranks only"
+                "likely cause: a rank-dependent update: a step, a change or a random draw "
+                "made on some ranks only"
             )
         add(
             "DDP112",
             reference["site"],
             f"the ranks trained different weights: after training, rank {ranks} holds "
-            f"{tensors} tensor(s) stepped by this optimizer that differ from rank 0's; likely "
-            f"cause: {cause}",
+            f"{tensors} tensor(s) stepped by this optimizer that differ from rank 0's; {cause}",
         )

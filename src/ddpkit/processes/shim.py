@@ -150,7 +150,7 @@ def main() -> None:
             if folder is not None:
                 record_error(folder, rank, exc)
     if recorder is not None and folder is not None:
-        audit.finish(recorder, folder)
+        audit.finish(recorder, folder, failed=code != 0)
     if code == 0 and folder is not None:
         # A rank whose peers then fail in a collective left them waiting: the agent
         # names it (see report.left_early).

@@ -50,7 +50,9 @@ _OWN_FILES = (
     "runpy.py",
     subprocess.__file__,
 )
-# Frames of the machinery that starts a worker: left out of the stacks we show.
+# Frames of the machinery that starts a worker, and of ddpkit's wrappers between the
+# user's call and torch (this file's collective tracker, the audit's hooks, --cpu's
+# mappings): left out of the stacks we show, which promise the user's frames only.
 _PLUMBING = (
     __file__,
     "multiprocessing/",
@@ -59,6 +61,8 @@ _PLUMBING = (
     "ddpkit/processes/launcher.py",
     "ddpkit/processes/workers.py",
     "ddpkit/processes/shim.py",
+    "ddpkit/processes/audit.py",
+    "ddpkit/processes/rehearse.py",
 )
 
 

@@ -177,7 +177,7 @@ def worker(
     with starting_up(on_first_step=lambda: _say_trained(conn)):
         code = _run_rank(rank, spec, fn, args, conn, group_timeout, watchdog)
     if recorder is not None and spec.audit_dir:
-        audit.finish(recorder, Path(spec.audit_dir))
+        audit.finish(recorder, Path(spec.audit_dir), failed=code != 0)
     exit_now(code)
 
 
