@@ -575,6 +575,32 @@ def run_all(
     return rows
 
 
+def rows_from_results(scripts: list[Script], results: list[Path]) -> list[Row]:
+    """Rows from saved `--out` files (later files win), to print one table from several
+    partial runs without running anything again."""
+    by_id = {s.id: Row(s) for s in scripts}
+    for path in results:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        for saved in doc["rows"]:
+            row = by_id.get(saved["id"])
+            if row is None:
+                continue
+            if saved["skipped"]:
+                row.skipped = row.skipped if row.cells else saved["skipped"]
+                continue
+            row.skipped = None
+            for mode, c in saved["cells"].items():
+                row.cells[mode] = Measured(
+                    c["outcome"],
+                    c["seconds"],
+                    frozenset(c["codes"]),
+                    c["returncode"],
+                    c["tail"],
+                    c["note"],
+                )
+    return list(by_id.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--list", type=Path, default=LIST, help="the scripts and expectations")
@@ -587,6 +613,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result")
     parser.add_argument("-v", "--verbose", action="store_true", help="print each run as it ends")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="print the table of saved --out files (merged, later ones win); run nothing",
+    )
     args = parser.parse_args(argv)
     scripts = load(args.list)
     if args.only:
@@ -598,6 +631,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(set(modes) - set(MODES))}; the modes: {MODES}")
+    if args.results:
+        rows = rows_from_results(scripts, args.results)
+        print(table(rows, args.markdown))
+        good, bad, none = score(rows)
+        print(f"{good} as judged, {bad} not, {none} not measured")
+        return 1 if bad else 0
     if args.work.resolve().is_relative_to(HERE.parent):
         parser.error("--work must be outside the repository: fetched files are never committed")
     if args.from_git is not None and extract(scripts, args.from_git, args.work):
