@@ -568,8 +568,8 @@ def _stop_while_starting(
     cmd: list[str], marks: Path, nprocs: int, signum: int, target: str
 ) -> tuple[subprocess.CompletedProcess[str], list[int]]:
     """Run `cmd`, and once every rank builds its job, send `signum` to the launching
-    process or to every process of the job (as SLURM does); the finished process and
-    the pids of its ranks."""
+    process, to every process of the job (as SLURM does) or to the last rank alone
+    ("one-worker"); the finished process and the pids of its ranks."""
     marks.mkdir()
     env = {**os.environ, "MARKS": str(marks)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -580,7 +580,8 @@ def _stop_while_starting(
         proc.kill()
         raise
     ranks = [int(f.read_text()) for f in files]
-    for pid in [proc.pid, *(ranks if target == "every-process" else [])]:
+    pids = {"every-process": [proc.pid, *ranks], "one-worker": ranks[-1:]}.get(target, [proc.pid])
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
     out, err = proc.communicate(timeout=60)
@@ -650,6 +651,118 @@ def test_launch_raises_stopped_at_start_which_a_caller_can_catch(tmp_path: Path)
         launch(_raise_stopped_while_starting, str(marks), nprocs=2)
     assert info.value.signum == signal.SIGTERM
     assert info.value.code == PREEMPTED_EXIT
+
+
+# A script written for torchrun that uses ddpkit: its own process group, the Trainer on
+# DistContext.current(). On the first attempt each rank reads its data for a long while
+# (the test signals it meanwhile); a restarted attempt would train to the end.
+OWN_GROUP_STARTING_JOB = """
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+
+dist.init_process_group("gloo")
+ctx = ddpkit.DistContext.current()
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    Path(os.environ["MARKS"], f"rank{ctx.rank}").write_text(str(os.getpid()))
+    time.sleep(120)
+ddpkit.seed_everything(7)
+model = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.1), nn.ReLU(), nn.Linear(8, 1))
+x = torch.randn(48, 3, generator=torch.Generator().manual_seed(1))
+data = torch.utils.data.TensorDataset(x, x.pow(2).sum(1, keepdim=True))
+config = ddpkit.TrainConfig(epochs=2, batch_size=4, checkpoint_dir=sys.argv[1], progress=False)
+trainer = ddpkit.Trainer(
+    model, lambda p: torch.optim.AdamW(p, lr=1e-3), data, ctx, config,
+    loss_fn=nn.functional.mse_loss, log_fn=lambda s: None,
+)
+try:
+    trainer.fit()
+finally:
+    dist.destroy_process_group()
+print("the job went on to the end")
+"""
+
+# The same wait in a script with no ddpkit code.
+PLAIN_STARTING_JOB = """
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+Path(os.environ["MARKS"], f"rank{dist.get_rank()}").write_text(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("job", "signum", "target", "flags"),
+    [
+        ("launch", signal.SIGTERM, "one-worker", ()),
+        ("launch", signal.SIGUSR1, "one-worker", ("--audit=strict",)),
+        ("launch", signal.SIGTERM, "launcher", ()),
+        ("own-group", signal.SIGTERM, "one-worker", ("--max-restarts", "1")),
+        ("train", signal.SIGUSR1, "one-worker", ()),
+    ],
+    ids=[
+        "launch-term-worker",
+        "launch-usr1-worker-strict",
+        "launch-term-agent",
+        "own-group-restarts",
+        "sbatch-train-usr1-worker",
+    ],
+)
+def test_ddpkit_run_stopped_while_starting_exits_75_with_one_line(
+    tmp_path: Path, job: str, signum: int, target: str, flags: tuple[str, ...]
+) -> None:
+    # As under launch: before any rank's first step, nothing is lost, and the requeue
+    # (exit 75) starts the job again; never a restart, never a crash report.
+    script = tmp_path / "job.py"
+    script.write_text(OWN_GROUP_STARTING_JOB if job == "own-group" else STARTING_JOB)
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", *flags]
+    if job == "train":  # as docs/slurm/train.sbatch runs it
+        cmd += ["-m", "ddpkit", "train", "--job", f"{script}:build"]
+        cmd += ["--checkpoint-dir", str(tmp_path / "ck"), "--resume"]
+    else:
+        cmd += [str(script), str(tmp_path / "ck"), *(["2"] if job == "launch" else [])]
+    proc, ranks = _stop_while_starting(cmd, tmp_path / "marks", 2, signum, target)
+    assert proc.returncode == PREEMPTED_EXIT, proc.stdout + proc.stderr
+    said = [
+        ln for ln in proc.stderr.splitlines() if ln.strip() and ln != "ddpkit audit: no findings"
+    ]
+    assert said == [STARTING_LINE.format(name=signal.Signals(signum).name)], proc.stderr
+    assert "went on" not in proc.stdout
+    assert wait_gone(ranks) == []
+    assert not list((tmp_path / "ck").glob("ckpt-*"))
+
+
+@pytest.mark.slow
+def test_a_plain_torchrun_script_stopped_while_starting_fails_naming_the_rank(
+    tmp_path: Path,
+) -> None:
+    # No ddpkit code: nothing says that the script starts again without a loss (it may
+    # train without an optimizer step, or not train at all), so the rank dies as under
+    # torchrun and `ddpkit run` ends with 1, naming that rank and the signal.
+    script = tmp_path / "job.py"
+    script.write_text(PLAIN_STARTING_JOB)
+    cmd = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", str(script)]
+    proc, ranks = _stop_while_starting(cmd, tmp_path / "marks", 2, signal.SIGTERM, "one-worker")
+    assert proc.returncode == 1, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("ddpkit: ")]
+    assert (
+        said[0]
+        == "ddpkit: the job failed: rank 1 was killed by SIGTERM; the other ranks were stopped"
+    ), proc.stderr
+    assert wait_gone(ranks) == []
 
 
 def test_a_signal_after_training_began_without_a_checkpoint_folder_still_stops_with_143(

@@ -137,6 +137,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ddpkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT
     except StoppedAtStart as exc:  # nothing was lost: a requeue starts it again
+        if RUN_WORKER in os.environ:
+            raise  # a worker of `ddpkit run`: its agent judges the whole job, and says it
         print(f"ddpkit: {exc}", file=sys.stderr)
         return PREEMPTED_EXIT
     except DdpkitError as exc:

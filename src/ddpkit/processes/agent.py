@@ -38,13 +38,18 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
     RendezvousTimeoutError,
 )
 
-from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError  # noqa: E402
+from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, StoppedAtStart  # noqa: E402
 from ddpkit.findings import Finding  # noqa: E402
 from ddpkit.processes.audit import AUDIT_ENV  # noqa: E402
 from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.machine import threads_per_rank  # noqa: E402
 from ddpkit.processes.output import RankOutput  # noqa: E402
+from ddpkit.processes.preemption import (  # noqa: E402
+    DDPKIT_JOB_NOTE,
+    STOP_SIGNALS,
+    TRAINED_NOTE,
+)
 from ddpkit.processes.rehearse import REFUSED_EXIT, REHEARSE_ENV  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
@@ -269,8 +274,9 @@ def _no_restart_after_preemption() -> None:
 
     def monitor(self: Any, worker_group: Any) -> Any:
         result = original(self, worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and any(
-            failure.exitcode == PREEMPTED_EXIT for failure in result.failures.values()
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
+            any(failure.exitcode == PREEMPTED_EXIT for failure in result.failures.values())
+            or _stop_before_training(result.failures, _latest_attempt(Path(os.environ[RUN_WORKER])))
         ):
             self._remaining_restarts = 0
         return result
@@ -432,6 +438,10 @@ def _supervise(
         if watch is not None and watch.hang is not None:  # its workers were killed
             print(_HANG_STOPPED, file=sys.stderr, flush=True)
             return HANG_EXIT
+        stop = _stop_before_training(exc.failures, _latest_attempt(status))
+        if stop:  # a worker got the signal before the job's first step
+            print(f"ddpkit: {StoppedAtStart(stop)}", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT
         hung = _left_early(exc, _latest_attempt(status))
         if hung is not None:
             print(f"{hung}\n{_HANG_STOPPED}", file=sys.stderr, flush=True)
@@ -445,6 +455,9 @@ def _supervise(
         if watch is not None and watch.hang is not None:  # said when it was found
             print(_HANG_STOPPED, file=sys.stderr, flush=True)
             return HANG_EXIT
+        if exc.sigval in STOP_SIGNALS and _starting_ddpkit_job(_latest_attempt(status)):
+            print(f"ddpkit: {StoppedAtStart(exc.sigval)}", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT
         how = (
             "interrupted (Ctrl-C)"
             if exc.sigval == signal.SIGINT
@@ -522,6 +535,29 @@ def _said_preempted(status: Path) -> bool:
         return False
     print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)
     return True
+
+
+def _starting_ddpkit_job(folder: Path) -> bool:
+    """Whether the ranks run ddpkit's code (`launch`, `DistContext.current()`) and none
+    has taken its first optimizer step yet (see preemption.tell_agent)."""
+    notes = {p.name.rpartition(".")[2] for p in folder.glob("rank*.*")}
+    return DDPKIT_JOB_NOTE in notes and TRAINED_NOTE not in notes
+
+
+def _stop_before_training(failures: dict[int, Any], folder: Path) -> int:
+    """The stop signal (SIGTERM, SIGUSR1) that killed a rank of a ddpkit job before any
+    rank's first optimizer step, sent by someone other than this agent (a rank stopped
+    by ddpkit's handler then ends by the signal too, see the shim); 0 if none. Nothing
+    was lost: the job ends with 75, as under `launch`. A script without ddpkit code
+    ends as under torchrun, with 1 naming the rank: ddpkit cannot tell whether it had
+    trained (it may train without a torch optimizer) or what it saved."""
+    if not _starting_ddpkit_job(folder):
+        return 0
+    for _, failure in sorted(failures.items()):
+        signum = -failure.exitcode if failure.exitcode < 0 else 0
+        if signum in STOP_SIGNALS and failure.pid not in _STOPPED_BY_AGENT:
+            return signum
+    return 0
 
 
 def _said_refused(status: Path) -> bool:

@@ -45,6 +45,7 @@ from ddpkit.processes.preemption import (
     DEFAULT_SIGNAL_GRACE,
     STOP_SIGNALS,
     SignalForwarder,
+    ddpkit_job,
     install_handlers,
     restore_handlers,
     starting_up,
@@ -229,6 +230,7 @@ def _run_under_agent(
 
 
 def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
+    ddpkit_job()  # from here, ddpkit run ends a job stopped before its first step with 75
     env = os.environ
     rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
     local_world = int(env.get("LOCAL_WORLD_SIZE", world))
@@ -242,11 +244,15 @@ def _run_in_place(fn: Callable[..., T], args: tuple[Any, ...], backend: str, tim
     handlers = install_handlers((*STOP_SIGNALS, signal.SIGINT))
     failed = False
     try:
-        return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
+        with starting_up():
+            return fn(DistContext(rank, local_rank, world, local_world, device, backend), *args)
     except Preempted:
         raise  # every rank saved the same step: no collective is left waiting
     except SystemExit as exc:
         failed = exc.code not in (0, None)
+        signum = stopped_while_starting(exc)
+        if signum:  # before this rank's first optimizer step: nothing is lost
+            raise StoppedAtStart(signum) from None
         raise
     except BaseException:
         failed = True

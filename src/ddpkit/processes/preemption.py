@@ -11,6 +11,9 @@ step later, so it costs no wait of its own.
 A job is starting (`starting_up`) until its first optimizer step: a stop signal that no
 saving loop records then stops it at once, and as nothing was lost, the job ends as
 `StoppedAtStart` (exit status 75, as a preempted job's), not as if it had been killed.
+Under `ddpkit run` each rank decides alone, so it leaves notes (`tell_agent`) from which
+the agent judges the whole job: whether it runs ddpkit's code at all, and whether any
+rank has taken a step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # the CLI reads the constants here without loading torch
@@ -45,6 +49,8 @@ class _Flag:
     interrupts: int = 0  # the Ctrl-Cs (SIGINT) among the signals received meanwhile
     starting: bool = False  # inside `starting_up`, before this process's first step
     launcher_says: bool = False  # a worker of `launch`, whose launcher says what Ctrl-C does
+    notes: str = ""  # under `ddpkit run`: the path prefix of this rank's notes to its agent
+    ddpkit_job: bool = False  # the note that this rank runs ddpkit's code is left
 
 
 _FLAG = _Flag()
@@ -56,6 +62,33 @@ _STARTING_ATTR = "_ddpkit_stopped_starting"
 def requested() -> int:
     """The stop signal this process received while a saving loop ran (0: none)."""
     return _FLAG.signum
+
+
+# Notes a worker of `ddpkit run` leaves for its agent (`rank<N>.<note>`, see tell_agent).
+DDPKIT_JOB_NOTE = "ddpkit"  # the rank runs ddpkit's code: launch, DistContext.current()
+TRAINED_NOTE = "trained"  # the rank took its first optimizer step
+
+
+def notes_to(prefix: str) -> None:
+    """In a worker of `ddpkit run` (its shim): this rank's notes to the agent are the
+    files `<prefix>.<note>`."""
+    _FLAG.notes = prefix
+
+
+def tell_agent(note: str) -> None:
+    """Under `ddpkit run`, leave `note` for the agent; elsewhere nothing."""
+    if _FLAG.notes:
+        with contextlib.suppress(OSError):  # a note is a hint: never an error of the job
+            Path(f"{_FLAG.notes}.{note}").touch()
+
+
+def ddpkit_job() -> None:
+    """This rank runs ddpkit's code (`launch`, `DistContext.current()`): under `ddpkit
+    run`, a stop signal before the job's first step then ends the job with 75, as under
+    `launch`; a script without ddpkit code ends as under torchrun (see agent)."""
+    if not _FLAG.ddpkit_job:
+        _FLAG.ddpkit_job = True
+        tell_agent(DDPKIT_JOB_NOTE)
 
 
 def leave_notices_to_launcher() -> None:

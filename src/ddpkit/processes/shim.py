@@ -14,6 +14,7 @@ the logs when the job fails.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -87,8 +88,8 @@ def main() -> None:
     from ddpkit.processes.output import attach, log_only
 
     attach()
-    from ddpkit.errors import PREEMPTED_EXIT, Preempted
-    from ddpkit.processes import audit, rehearse
+    from ddpkit.errors import PREEMPTED_EXIT, Preempted, StoppedAtStart
+    from ddpkit.processes import audit, preemption, rehearse
     from ddpkit.processes.audit import AUDIT_ENV
     from ddpkit.processes.launcher import ReleasedByLaunch
     from ddpkit.processes.watchdog import Watchdog, record_error, write_json
@@ -106,8 +107,15 @@ def main() -> None:
     folder = _status_folder()
     watchdog = None
     recorder = None
+    starting: Any = contextlib.nullcontext()
     if folder is not None:
         _note_process_group(folder, rank)
+        # The agent learns whether the script runs ddpkit's code and when any rank took
+        # its first step: a stop signal before it ends a ddpkit job with 75.
+        preemption.notes_to(str(folder / f"rank{rank}"))
+        starting = preemption.starting_up(
+            on_first_step=lambda: preemption.tell_agent(preemption.TRAINED_NOTE)
+        )
         if os.environ.get(AUDIT_ENV):
             recorder = audit.install(rank)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
@@ -115,13 +123,14 @@ def main() -> None:
     if rehearse.rehearsing():  # --cpu: after the audit's hooks, which it wraps
         rehearse.install()
     sys.argv = [target, *rest]
-    code, released = 0, False
+    code, released, stopped = 0, False, 0
     try:
-        if as_module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.path[0] = str(Path(target).resolve().parent)  # as `python SCRIPT` sets it
-            runpy.run_path(target, run_name="__main__")
+        with starting:
+            if as_module:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.path[0] = str(Path(target).resolve().parent)  # as `python SCRIPT` does
+                runpy.run_path(target, run_name="__main__")
     except Preempted as exc:  # saved after a stop signal: the agent tells the user
         code = PREEMPTED_EXIT
         if folder is not None:
@@ -130,7 +139,18 @@ def main() -> None:
         code = _refused(folder, rank, exc)
     except SystemExit as exc:
         released = isinstance(exc, ReleasedByLaunch)
-        if exc.code not in (0, None):
+        # Stopped by ddpkit's handler before this rank's first step (launch's
+        # StoppedAtStart, ddpkit train while it starts): the rank ends by the signal, as
+        # one with no handler does, and the agent, which knows who sent it and whether
+        # any rank has trained, says what it means for the job (agent._stop_before_training).
+        if isinstance(exc, StoppedAtStart):
+            stopped = exc.signum
+        else:
+            stopped = preemption.stopped_while_starting(exc)
+        if stopped:
+            preemption.ddpkit_job()
+            code = 128 + stopped
+        elif exc.code not in (0, None):
             if isinstance(exc.code, str):
                 print(exc.code, file=sys.stderr)
             code = exc.code if isinstance(exc.code, int) else 1
@@ -160,7 +180,7 @@ def main() -> None:
         watchdog.finish("released" if released else "finished")
     # Like a spawned worker of `launch`: no interpreter shutdown, which gloo's threads
     # can turn into an abort (SIGABRT) even after a clean run.
-    exit_now(code)
+    exit_now(code, signum=stopped)
 
 
 if __name__ == "__main__":

@@ -241,8 +241,9 @@ def _run_rank(
     return code
 
 
-def exit_now(code: int) -> NoReturn:
-    """Exit without the interpreter's shutdown, after atexit hooks and flushing output.
+def exit_now(code: int, *, signum: int = 0) -> NoReturn:
+    """Exit without the interpreter's shutdown, after atexit hooks and flushing output;
+    with `signum`, end by that signal (its default action) instead of with `code`.
 
     gloo's background threads may still be releasing finished work when Python
     finalizes; if one needs the GIL then, the process aborts ("terminate called without
@@ -253,6 +254,9 @@ def exit_now(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    if signum:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
     os._exit(code)
 
 
