@@ -11,6 +11,7 @@ extracted from local git copies or downloaded into a scratch folder outside it.
     .venv/bin/python bench/real.py --fetch                       # download, then run all
     .venv/bin/python bench/real.py --python /work/realenv/bin/python --only nanogpt
     .venv/bin/python bench/real.py --markdown                    # the table for the docs
+    .venv/bin/python bench/real.py --from-git /work/.mirror --port  # docs/port.md, for real
 
 Each mode runs in a fresh copy of the script's files, with the tiny data its entry asks
 for generated there (token files, an image folder, MNIST's files), under a time limit.
@@ -601,6 +602,39 @@ def rows_from_results(scripts: list[Script], results: list[Path]) -> list[Row]:
     return list(by_id.values())
 
 
+def port_check(
+    scripts: list[Script], mirrors: Path | None, download: bool, work: Path, python: str
+) -> int:
+    """docs/port.md's diff applied to the real file it is against (the list's entry of the
+    same repo@commit:path, extracted or downloaded as for the other modes) in a fresh
+    copy, and the port run as the page runs it (bench/port_diff.py). Prints a line per
+    step; returns 1 when one failed."""
+    import port_diff  # bench/port_diff.py, beside this script
+
+    pinned = port_diff.pinned()
+    entry = next((s for s in scripts if (s.repo, s.commit, s.path) == pinned), None)
+    if entry is None:
+        print(f"docs/port.md's diff is against {'@'.join(pinned[:2])}:{pinned[2]}: not listed")
+        return 1
+    if mirrors is not None:
+        extract([entry], mirrors, work)
+    if download:
+        fetch([entry], work)
+    folder = _source(work, entry) / Path(entry.path).parent
+    if not all((_source(work, entry) / rel).exists() for rel in entry.all_files):
+        print(f"{entry.id}: files absent; get them with --from-git or --fetch")
+        return 1
+    dest = work / "runs" / entry.id / "port"
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(folder, dest)
+    print(f"docs/port.md's diff on {entry.repo}@{entry.commit[:7]}:{entry.path}")
+    said = port_diff.check(dest, python)
+    for line in said:
+        print(f"  {line}")
+    return 1 if any(line.startswith("FAILED") for line in said) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--list", type=Path, default=LIST, help="the scripts and expectations")
@@ -619,6 +653,11 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         metavar="FILE",
         help="print the table of saved --out files (merged, later ones win); run nothing",
+    )
+    parser.add_argument(
+        "--port",
+        action="store_true",
+        help="only apply docs/port.md's diff to the tutorial file it is against, and run the port",
     )
     args = parser.parse_args(argv)
     scripts = load(args.list)
@@ -639,6 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if bad else 0
     if args.work.resolve().is_relative_to(HERE.parent):
         parser.error("--work must be outside the repository: fetched files are never committed")
+    if args.port:
+        return port_check(load(args.list), args.from_git, args.fetch, args.work, args.python)
     if args.from_git is not None and extract(scripts, args.from_git, args.work):
         print("some files could not be extracted; their scripts are skipped")
     if args.fetch and fetch(scripts, args.work):

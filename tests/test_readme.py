@@ -17,13 +17,16 @@ block that two pages share (the README's example is also the guide's) runs once.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -310,52 +313,115 @@ def test_console_block_prints_what_it_shows(index: int, tmp_path: Path) -> None:
         assert [_label(line) for line in printed[1:]] == [_label(line) for line in shown[1:]]
 
 
-def _port_versions() -> tuple[str, str, int]:
-    """(the one-GPU script, its ddpkit version, lines changed) from docs/port.md's diff."""
-    (diff,) = [b.body for b in BLOCKS if b.lang == "diff"]
-    old, new, changed = [], [], 0
-    for line in diff.splitlines():
-        mark, text = line[:1], line[1:]
-        if mark in (" ", ""):
-            old.append(text)
-            new.append(text)
-        elif mark == "-":
-            old.append(text)
-        elif mark == "+":
-            new.append(text)
-            changed += 1
-        else:
-            raise AssertionError(f"not a diff line: {line!r}")
-    return "\n".join(old) + "\n", "\n".join(new) + "\n", changed
+def _port_diff() -> ModuleType:
+    # bench/port_diff.py reads docs/port.md's diff and applies it; bench/ is a folder of
+    # scripts, not a package.
+    spec = importlib.util.spec_from_file_location("port_diff", ROOT / "bench" / "port_diff.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["port_diff"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+PORT = _port_diff()
+# Written here in the shape of the DDP tutorial's single_gpu.py and datautils.py, with
+# the tutorial's lines where docs/port.md's diff changes it (the real file is pinned on
+# the page; bench/real.py --port applies the diff to it).
+TUTORIAL_SHAPE = ROOT / "tests" / "real_shapes"
+
+
+def port_versions(into: Path | None = None) -> tuple[str, str, int]:
+    """(the one-GPU script, its ddpkit version, lines changed): docs/port.md's diff
+    applied to the script shaped like the tutorial's. With `into`, both are written
+    there (single_gpu.py, ported.py) beside the datautils.py they import."""
+    diff = PORT.diff_block()
+    old = (TUTORIAL_SHAPE / "single_gpu.py").read_text()
+    new = PORT.apply(diff, old)  # ValueError: a hunk that does not apply
+    if into is not None:
+        (into / "single_gpu.py").write_text(old)
+        (into / "ported.py").write_text(new)
+        (into / "datautils.py").write_text((TUTORIAL_SHAPE / "datautils.py").read_text())
+    return old, new, PORT.changed_lines(diff)
 
 
 def test_the_port_says_how_many_lines_change() -> None:
-    old, new, changed = _port_versions()
-    compile(old, "single_gpu.py", "exec")  # the "before" is a whole, valid script
-    compile(new, "train.py", "exec")
+    _, new, changed = port_versions()
+    compile(new, "ported.py", "exec")
     assert [b.page for b in BLOCKS if b.lang == "diff"] == ["docs/port.md"]
     assert changed <= 15 and f"with {changed} changed lines" in _page("port.md")
     assert f"with {changed} changed lines" in README
+    assert f"with {changed} changed lines" in _page("index.md")
+
+
+def test_the_port_is_the_pinned_tutorial_file_in_hunks() -> None:
+    """The diff is against the real file, pinned on the page (the one bench/real's list
+    runs), and shows only what changes: hunks with one or two lines of context, in the
+    order of the file, whose headers give the real file's lines."""
+    repo, commit, path = PORT.pinned()
+    assert (repo, path) == ("pytorch/examples", "distributed/ddp-tutorial-series/single_gpu.py")
+    (entry,) = [
+        s
+        for s in json.loads((ROOT / "bench" / "real" / "real.json").read_text())["scripts"]
+        if s["id"] == "tutorial-single_gpu"
+    ]
+    assert (entry["repo"], entry["commit"], entry["path"]) == (repo, commit, path)
+    hunks = PORT.parse(PORT.diff_block())
+    assert len(hunks) >= 5
+    assert [h.old_start for h in hunks] == sorted({h.old_start for h in hunks})
+    for hunk in hunks:
+        marks = "".join(mark for mark, _ in hunk.lines)
+        lead, trail = len(marks) - len(marks.lstrip(" ")), len(marks) - len(marks.rstrip(" "))
+        at_the_end = hunk is hunks[-1]  # the file's last lines: nothing after them
+        assert 1 <= lead <= 2 and (1 if not at_the_end else 0) <= trail <= 2, marks
+    # What the port keeps of the tutorial: its one-batch peek before set_epoch, its
+    # unseeded MyTrainDataset (seeded by the port), its argparse __main__ block.
+    _, new, _ = port_versions()
+    peek = new.index("b_sz = len(next(iter(self.train_data))[0])")
+    assert peek < new.index("self.train_data.set_epoch(epoch)")
+    assert new.index("ddpkit.seed_everything(0)") < new.index("MyTrainDataset(2048)")
+    assert "F.mse_loss(" in new and "cross_entropy" not in new
+    assert "ddpkit.launch(main, args.total_epochs" in new and "parse_args()" in new
 
 
 @pytest.mark.slow
-def test_the_ported_script_runs(tmp_path: Path) -> None:
-    _, new, _ = _port_versions()
-    script = tmp_path / "train.py"
-    script.write_text(new)
+def test_the_one_gpu_script_and_its_port_run(tmp_path: Path) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("launch starts a rank per core: this test needs 2 cores")
+    port_versions(tmp_path)
+    # The one-GPU script as it is, on the CPU (the tutorial passes 0, cuda:0).
+    one = subprocess.run(
+        [sys.executable, "-c", "import single_gpu; single_gpu.main('cpu', 2, 1, 32)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one.returncode == 0, one.stderr
+    assert "[GPUcpu] Epoch 1 | Batchsize: 32 | Steps: 64" in one.stdout, one.stdout
+    assert (tmp_path / "checkpoint.pt").is_file()
+    # The port as the page runs it, `python single_gpu.py 2 1`: launch starts a rank per
+    # core, here 2.
     out = subprocess.run(
-        [sys.executable, str(script), "3", "2"],
+        [sys.executable, "ported.py", "2", "1"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=240,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores[:2]),
     )
     assert out.returncode == 0, out.stderr
-    # Printed once per save (rank 0 only), and written where it says.
-    assert out.stdout.count("saved") == 2, out.stdout
+    # Each rank its half of the 2048 samples; the save printed once (rank 0) and written
+    # where it says.
+    for epoch in (0, 1):
+        line = f"[GPUcpu] Epoch {epoch} | Batchsize: 32 | Steps: 32"
+        assert out.stdout.count(line) == 2, out.stdout
+    assert out.stdout.count("Training checkpoint saved at") == 2, out.stdout
+    assert "saved at checkpoints/ckpt-000000001.pt" in out.stdout
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "ckpt-000000000.pt",
-        "ckpt-000000002.pt",
+        "ckpt-000000001.pt",
     ]
 
 

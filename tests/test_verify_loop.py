@@ -14,13 +14,11 @@ import pytest
 from ddpkit.errors import ConfigError
 from ddpkit.verification import verify
 from tests.conftest import ROOT
+from tests.test_readme import port_versions
 
 # The README's loop, as written there (its `if __name__` block runs nothing here).
 README_LOOP = (ROOT / "README.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
 
-# The port guide's script, after the port (the "+" side of its diff).
-PORT_DIFF = (ROOT / "docs/port.md").read_text().split("```diff\n", 1)[1].split("```", 1)[0]
-PORTED = "\n".join(line[1:] for line in PORT_DIFF.splitlines() if not line.startswith("-"))
 
 # A loop an outsider writes: dict batches, random augmentation in __getitem__, a worker
 # process per rank, dropout, AdamW with a per-step schedule, an eval loader.
@@ -92,22 +90,32 @@ def test_the_readme_loop_passes(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_the_ported_tutorial_passes_and_a_per_rank_seed_fails(tmp_path: Path) -> None:
-    good = _script(tmp_path, "ported.py", PORTED)
-    out = _verify_cli("--loop", f"{good}:main", "10", "5", "32", cwd=tmp_path)
+    # docs/port.md's diff applied to a script shaped like the tutorial's single_gpu.py:
+    # its one-batch peek before set_epoch, main's arguments from its argparse block.
+    _, ported, _ = port_versions(tmp_path)
+    out = _verify_cli("--loop", "ported.py:main", "--", "10", "5", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "PASS  equivalence" in out.stdout
-    # The planted bug: each rank seeds with its rank before making its random data.
-    planted = PORTED.replace(
-        "def load_train_objs():\n    torch.manual_seed(0)",
-        "def load_train_objs(rank):\n    torch.manual_seed(rank)",
+    # The script's own print of each pass, each rank's first, then verify's report.
+    printed = out.stdout.splitlines()
+    assert printed[0] == "[GPUcpu] Epoch 0 | Batchsize: 32 | Steps: 32"
+    report = next(line for line in printed if not line.startswith("[GPU"))
+    assert report.startswith(
+        "PASS  equivalence: 2 processes x batch 32 vs 1 process x batch 64, 8 steps"
+    )
+    # The planted bug: each rank seeds with its rank before drawing the tutorial's
+    # random dataset.
+    planted = ported.replace(
+        "def load_train_objs():\n    ddpkit.seed_everything(0)",
+        "def load_train_objs(rank):\n    ddpkit.seed_everything(rank)",
     )
     planted = planted.replace("load_train_objs()", "load_train_objs(ctx.rank)")
-    assert planted.count("manual_seed(rank)") == 1 and "load_train_objs(ctx.rank)" in planted
-    bad = _script(tmp_path, "planted.py", planted)
-    out = _verify_cli("--loop", f"{bad}:main", "10", "5", "32", cwd=tmp_path)
+    assert planted.count("seed_everything(rank)") == 1 and "load_train_objs(ctx.rank)" in planted
+    (tmp_path / "planted.py").write_text(planted)
+    out = _verify_cli("--loop", "planted.py:main", "--", "10", "5", cwd=tmp_path)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert out.stdout.startswith("FAIL  equivalence")
+    assert "\nFAIL  equivalence" in out.stdout
     assert "the ranks build different datasets" in out.stdout
     assert "so the loop makes data that depends on the rank" in out.stdout
 
