@@ -142,3 +142,14 @@ def test_a_script_that_spawns_its_own_ranks_runs_under_run(tmp_path: Path) -> No
     assert rc == 0, output
     assert findings == [], output
     _ranks_agree(tmp_path / "spawned-rank0.pt", tmp_path / "spawned-rank1.pt")
+
+
+def test_an_accuracy_pass_over_the_training_loader_is_not_a_repeated_epoch(
+    tmp_path: Path,
+) -> None:
+    # LLMs-from-scratch: after the last epoch, accuracy over the training loader iterates
+    # its sampler again with that epoch; nothing trains on it, so no DDP101.
+    rc, output, findings = _audited(tmp_path, "eval_on_train_loader.py")
+    assert rc == 0, output
+    assert findings == [], output
+    assert "[rank 1] train accuracy" in output

@@ -9,7 +9,8 @@ codes, at the user's file and line (see `_user_site`):
 
 - DDP112, ranks trained different weights: the parameters that optimizers stepped
   differ between ranks when the group is destroyed (or at exit);
-- DDP101, a shuffling `DistributedSampler` iterated twice with the same epoch;
+- DDP101, a shuffling `DistributedSampler` trained on twice with the same epoch (a
+  whole pass after whose start an optimizer stepped);
 - DDP103, one path written by `torch.save` from more than one rank;
 - DDP104, a `torch.save` of a state dict whose keys all start with `module.`, taken
   from a DDP wrapper;
@@ -142,6 +143,12 @@ class _Recorder:
     failed: bool = False  # the rank's script raised or exited non-zero
     sampler_sites: dict[int, Site] = field(default_factory=dict)
     sampler_epochs: dict[int, set[int]] = field(default_factory=dict)
+    # Optimizer steps so far, and per sampler its last whole pass not yet judged: (epoch,
+    # steps when it started, its site). A pass trains when a step comes after its start
+    # and before the sampler's next pass (or the end): an accuracy pass over the training
+    # loader after the last epoch repeats that epoch's order, but nothing learns from it.
+    steps: int = 0
+    sampler_pending: dict[int, tuple[int, int, Site]] = field(default_factory=dict)
 
     def event(self, code: str, site: Site, message: str) -> None:
         key = (code, site[0], site[1])
@@ -154,8 +161,9 @@ class _Recorder:
     # -- the hooks ------------------------------------------------------------------
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
         if id(optimizer) in self.optimizers:
-            return  # the cost of an audited step: this lookup
+            return  # the cost of an audited step: this count and lookup
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.optimizers[id(optimizer)] = _Optimizer(_user_site(), params)
 
@@ -211,14 +219,28 @@ class _Recorder:
                 f"own cuda:{here}: pass `map_location=f'cuda:{{local_rank}}'` (or 'cpu')",
             )
 
-    def on_sampler_pass(self, sampler: Any, epoch: int) -> None:
+    def on_sampler_start(self, sampler: Any) -> None:
+        """A pass over a sampler starts: its previous whole pass can now be judged."""
+        self._judge_pass(id(sampler))
+
+    def on_sampler_pass(self, sampler: Any, epoch: int, start_steps: int) -> None:
         """A whole pass over a sampler ended (a peek at one batch, as the DDP tutorial
-        takes to learn the batch size before `set_epoch`, is not a pass)."""
+        takes to learn the batch size before `set_epoch`, is not a pass); it is judged
+        at the sampler's next pass or at the end, once it is known whether it trained."""
         if not getattr(sampler, "shuffle", False):
             return
-        epochs = self.sampler_epochs.setdefault(id(sampler), set())
+        site = self.sampler_sites.get(id(sampler), _user_site())
+        self.sampler_pending[id(sampler)] = (epoch, start_steps, site)
+
+    def _judge_pass(self, key: int) -> None:
+        pending = self.sampler_pending.pop(key, None)
+        if pending is None:
+            return
+        epoch, start_steps, site = pending
+        if self.steps == start_steps:
+            return  # nothing trained on it: an evaluation pass
+        epochs = self.sampler_epochs.setdefault(key, set())
         if epoch in epochs:
-            site = self.sampler_sites.get(id(sampler), _user_site())
             self.event(
                 "DDP101",
                 site,
@@ -263,6 +285,8 @@ class _Recorder:
     def write(self, folder: Path) -> None:
         import torch.distributed as dist
 
+        for key in list(self.sampler_pending):
+            self._judge_pass(key)
         alive = dist.is_available() and dist.is_initialized()
         if alive and self.init_site is not None and not self.failed:  # a crash skips teardown
             self.event(
@@ -356,8 +380,10 @@ def install(rank: int) -> _Recorder:
     @functools.wraps(original_iter)
     def sampler_iter(self: Any) -> Any:
         epoch = int(getattr(self, "epoch", 0))
+        recorder.on_sampler_start(self)
+        start_steps = recorder.steps
         yield from original_iter(self)
-        recorder.on_sampler_pass(self, epoch)
+        recorder.on_sampler_pass(self, epoch, start_steps)
 
     DistributedSampler.__iter__ = sampler_iter  # type: ignore[method-assign]
     save, load = torch.save, torch.load
