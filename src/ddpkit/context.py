@@ -8,8 +8,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.processes.preemption import ddpkit_job
-
 _CPU = torch.device("cpu")
 
 
@@ -51,7 +49,6 @@ class DistContext:
     def current(cls) -> DistContext:
         """The context of this process, from the initialised process group or the
         environment torchrun sets; a lone process otherwise. Never raises."""
-        ddpkit_job()  # a script of its own process group uses ddpkit (see preemption)
         env = os.environ
         rank, world = 0, 1
         if dist.is_available() and dist.is_initialized():

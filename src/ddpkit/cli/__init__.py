@@ -14,9 +14,9 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from ddpkit import __version__
+from ddpkit.cli.flags import Parser
 from ddpkit.errors import (
     PREEMPTED_EXIT,
     RUN_WORKER,
@@ -27,26 +27,11 @@ from ddpkit.errors import (
     WorkerError,
 )
 
-if TYPE_CHECKING:
-    from _typeshed import SupportsWrite
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser, but a failed write of --help, --version or usage to stdout
-    raises: argparse drops it, and the command would exit 0 having written nothing.
-    (The subcommands' parsers are of this class too: add_subparsers uses the parent's.)"""
-
-    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
-        if message and file is sys.stdout:
-            file.write(message)  # an OSError reaches main(): one line, exit status 2
-        else:  # stderr: where the error would be said, so there is no one to tell
-            super()._print_message(message, file)
-
 
 def build_parser() -> argparse.ArgumentParser:
     from ddpkit.cli import check, export, info, plot, run, train, verify
 
-    parser = _Parser(
+    parser = Parser(
         prog="ddpkit",
         description="Run PyTorch training with DistributedDataParallel on every GPU or CPU core.",
     )

@@ -16,16 +16,31 @@ import sys
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import ConfigError
 from ddpkit.processes.report import DEFAULT_HANG_TIMEOUT
 from ddpkit.training.config import TrainConfig, field_type, parse_option
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
 # More CPU processes than cores runs slower (a warning); more than this many times the
 # cores is refused without --allow-oversubscribe: a typo (--nproc 100000) that would
 # fork until the machine stalls.
 OVERSUBSCRIBE_LIMIT = 4
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, but a failed write of --help, --version or usage to stdout
+    raises: argparse drops it, and the command would exit 0 having written nothing.
+    (The subcommands' parsers are of this class too: add_subparsers uses the parent's.)"""
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        if message and file is sys.stdout:
+            file.write(message)  # an OSError reaches main(): one line, exit status 2
+        else:  # stderr: where the error would be said, so there is no one to tell
+            super()._print_message(message, file)
 
 
 def add_job_flags(p: argparse.ArgumentParser) -> None:

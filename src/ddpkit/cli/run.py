@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.cli.flags import add_process_flags, check_folder, check_processes
+from ddpkit.cli.flags import Parser, add_process_flags, check_folder, check_processes
 from ddpkit.errors import ConfigError
 from ddpkit.findings import Finding, Severity, format_json, write_audit_log
 from ddpkit.processes.audit import report as audit_report
@@ -36,9 +36,7 @@ def add_parser(sub: Any) -> None:
 
 def _options_parser() -> argparse.ArgumentParser:
     """run's own options (and, for --help, the script and its arguments)."""
-    from ddpkit.cli import _Parser  # the command's parser class: it reports a failed --help
-
-    p = _Parser(
+    p = Parser(
         prog="ddpkit run",
         description=HELP,
         usage="ddpkit run [options] (SCRIPT | -m MODULE) [ARGS ...]",

@@ -29,6 +29,7 @@ from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.batches import map_tensors
 from ddpkit.parallel.watch import TrainingData, watcher
+from ddpkit.processes.preemption import ddpkit_job
 from ddpkit.seed import rank_seed, rng_state, set_rng_state
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of
@@ -483,6 +484,7 @@ def prepare_loader(
     Raises:
         ConfigError: for a bad size or a combination that cannot work.
     """
+    ddpkit_job()  # under ddpkit run, a stop signal before the first step ends it with 75
     ctx = ctx or DistContext.current()
     if isinstance(dataset, DataLoader):
         kept = _kept_options(dataset, batch_size, shuffle, evaluation)

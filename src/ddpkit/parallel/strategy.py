@@ -25,6 +25,7 @@ from ddpkit.parallel.fsdp import as_sharded, gathered
 from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.sync import no_backward_sync
 from ddpkit.parallel.watch import watcher
+from ddpkit.processes.preemption import ddpkit_job
 
 log = logging.getLogger("ddpkit")
 
@@ -81,6 +82,7 @@ def prepare_model(
     Returns:
         The model to train: DDP-wrapped with several ranks, the moved model with one.
     """
+    ddpkit_job()  # under ddpkit run, a stop signal before the first step ends it with 75
     ctx = ctx or DistContext.current()
     plan = strategy if isinstance(strategy, Strategy) else Strategy(strategy, ctx)
     plan.check(grad_compression=grad_compression)

@@ -42,7 +42,7 @@ from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
 from ddpkit.parallel.ranks import all_gather, broadcast_object, reduce_sums
 from ddpkit.parallel.strategy import Strategy, prepare_model
 from ddpkit.parallel.sync import Accumulation
-from ddpkit.processes.preemption import StopVote, saving_on_signal
+from ddpkit.processes.preemption import StopVote, ddpkit_job, saving_on_signal
 from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 from ddpkit.storage import PENDING
@@ -299,6 +299,7 @@ class Trainer:
         metrics_fn: MetricsFn | None = None,
         log_fn: Callable[[str], None] | None = None,
     ) -> None:
+        ddpkit_job()  # under ddpkit run, a stop signal before the first step ends it with 75
         self.ctx = ctx
         self.config = config = config or TrainConfig()
         # Before anything runs on the device: cuBLAS reads its workspace setting at its
