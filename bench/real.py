@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import contextlib
 import datetime
 import json
 import os
@@ -87,15 +88,23 @@ class Script:
     nproc: int
     cuda: bool
     needs: tuple[str, ...]
-    setup: dict[str, Any] | None
+    setup: tuple[dict[str, Any], ...]
     stop_when: str | None
     timeout: float
     expect: dict[str, Expect]
     shaped_test: str | None = None
+    # Environment variables of its runs; `{root}` is the run's copy of the files.
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def all_files(self) -> tuple[str, ...]:
         return (self.path, *self.files)
+
+
+def _setups(raw: dict[str, Any] | list[dict[str, Any]] | None) -> tuple[dict[str, Any], ...]:
+    if raw is None:
+        return ()
+    return (raw,) if isinstance(raw, dict) else tuple(raw)
 
 
 def load(path: Path = LIST) -> list[Script]:
@@ -139,11 +148,12 @@ def load(path: Path = LIST) -> list[Script]:
                 nproc=int(raw.get("nproc", 2)),
                 cuda=bool(raw.get("cuda", False)),
                 needs=tuple(raw.get("needs", ())),
-                setup=raw.get("setup"),
+                setup=_setups(raw.get("setup")),
                 stop_when=raw.get("stop_when"),
                 timeout=float(raw.get("timeout", 240)),
                 expect=expect,
                 shaped_test=raw.get("shaped_test"),
+                env=tuple(sorted(raw.get("env", {}).items())),
             )
         )
     ids = [s.id for s in scripts]
@@ -256,8 +266,10 @@ def make_data(root: Path, setup: dict[str, Any]) -> None:
             )
             (folder / f"{prefix}-images-idx3-ubyte").write_bytes(images)
             (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(labels)
+    elif kind == "hub_stub":  # a torch.hub cache entry with no models, so hub.list is offline
+        (folder / "hubconf.py").write_text("dependencies = []\n", encoding="utf-8")
     else:
-        raise ValueError(f"unknown setup kind {kind!r}: tokens, images or mnist")
+        raise ValueError(f"unknown setup kind {kind!r}: tokens, images, mnist or hub_stub")
 
 
 # --- running ------------------------------------------------------------------------
@@ -279,13 +291,36 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _execute(
-    cmd: list[str], cwd: Path, timeout: float, stop_when: str | None
+    cmd: list[str],
+    cwd: Path,
+    timeout: float,
+    stop_when: str | None,
+    extra_env: tuple[tuple[str, str], ...] = (),
 ) -> tuple[int | None, str, bool, bool]:
     """Run `cmd` in its own session; returns (exit status, output, stopped on `stop_when`,
     timed out). A job stopped on its pattern gets SIGINT (ddpkit stops every rank), then
     SIGKILL if it lingers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.update((k, v.format(root=cwd)) for k, v in extra_env)
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -325,11 +360,17 @@ def _execute(
             stopped = True
             break
     if stopped or timed_out:
+        # ddpkit stops its ranks on SIGINT, but processes a script started itself
+        # (mp.spawn's children) live in the ranks' sessions: they are killed by pid.
+        below = _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        for pid in below:
+            with contextlib.suppress(OSError):  # already gone
+                os.kill(pid, signal.SIGKILL)
     returncode = proc.wait()
     return (None if timed_out else returncode), "".join(out), stopped, timed_out
 
@@ -394,8 +435,8 @@ class Runner:
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(_source(self.work, s), dest)
-        if s.setup is not None:
-            make_data(dest, s.setup)
+        for setup in s.setup:
+            make_data(dest, setup)
         return dest
 
     def _ddpkit_run(self, s: Script, mode: str, flags: list[str]) -> tuple[Measured, Path]:
@@ -403,7 +444,7 @@ class Runner:
         cmd = [self.python, "-m", "ddpkit", "run", "--nproc", str(s.nproc)]
         cmd += ["--master-port", str(_free_port()), *flags, s.path, *s.args]
         start = time.monotonic()
-        rc, output, stopped, _ = _execute(cmd, cwd, s.timeout, s.stop_when)
+        rc, output, stopped, _ = _execute(cmd, cwd, s.timeout, s.stop_when, s.env)
         measured = Measured(classify(rc, output, stopped), time.monotonic() - start)
         measured.returncode, measured.tail = rc, _tail(output)
         if stopped:
@@ -455,7 +496,7 @@ class Runner:
             cmd = [self.python, "-m", "ddpkit", "verify", "--loop", f"{s.path}:{e.function}"]
             cmd += ["--nproc", str(max(2, s.nproc)), *e.args]
             start = time.monotonic()
-            rc, output, _, _ = _execute(cmd, cwd, s.timeout, None)
+            rc, output, _, _ = _execute(cmd, cwd, s.timeout, None, s.env)
             return Measured(
                 classify_verify(rc, output),
                 time.monotonic() - start,

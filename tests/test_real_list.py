@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -73,11 +74,40 @@ def test_a_malformed_entry_is_refused_naming_it(tmp_path: Path) -> None:
         _bench().load(bad)
 
 
+def _made_up(b: ModuleType, name: str, **expect: tuple[str, set[str], set[str]]) -> Any:
+    """A script judged as `expect` says (mode: (outcome, codes, tolerated)), n/a elsewhere."""
+    judged = {m: b.Expect("n/a", "made up") for m in b.MODES}
+    for mode, (outcome, codes, tolerated) in expect.items():
+        judged[mode] = b.Expect(outcome, "made up", frozenset(codes), frozenset(tolerated))
+    return b.Script(
+        id=name,
+        repo="o/r",
+        commit="0" * 40,
+        path="t.py",
+        files=(),
+        args=(),
+        nproc=2,
+        cuda=True,
+        needs=(),
+        setup=(),
+        stop_when=None,
+        timeout=1.0,
+        expect=judged,
+    )
+
+
 def test_the_scorer_on_a_made_up_table() -> None:
     b = _bench()
-    script = b.load(LIST)[0]  # single_gpu: run fails, audit DDP103+DDP112, check clean
-    moco = next(s for s in b.load(LIST) if s.id == "moco")  # audit tolerates DDP104, DDP105
-    row = b.Row(script)
+    tutorial = _made_up(
+        b,
+        "tutorial",
+        run=("fails", set(), set()),
+        run_cpu=("ok", set(), set()),
+        audit=("findings", {"DDP103", "DDP112"}, set()),
+        check=("clean", set(), set()),
+        verify_loop=("refused", set(), set()),
+    )
+    row = b.Row(tutorial)
     row.cells = {
         "run": b.Measured("fails"),
         "run_cpu": b.Measured("ok"),
@@ -86,6 +116,14 @@ def test_the_scorer_on_a_made_up_table() -> None:
         # verify_loop not run
     }
     assert b.score([row]) == (3, 1, 1)
+    moco = _made_up(
+        b,
+        "moco",
+        run=("fails", set(), set()),
+        run_cpu=("ok", set(), set()),
+        audit=("findings", {"DDP103", "DDP111"}, {"DDP104", "DDP105"}),
+        check=("findings", {"DDP111"}, {"DDP107"}),
+    )
     other = b.Row(moco)
     other.cells = {
         "run": b.Measured("ok"),  # judged: fails
@@ -95,10 +133,12 @@ def test_the_scorer_on_a_made_up_table() -> None:
         "verify_loop": b.Measured("n/a"),
     }
     assert b.score([other]) == (1, 2, 2)
-    assert b.cell(script.expect["audit"], row.cells["audit"]) == (
+    assert b.agrees(moco.expect["verify_loop"], b.Measured("pass")) is False
+    assert b.cell(tutorial.expect["audit"], row.cells["audit"]) == (
         "findings DDP103 != findings DDP103,DDP112"
     )
     assert b.cell(moco.expect["run_cpu"], other.cells["run_cpu"]) == "(ok: skipped)"
+    assert b.cell(tutorial.expect["verify_loop"], b.Measured("not run")) == "(refused: not run)"
     text = b.table([row, other], markdown=True)
     assert text.splitlines()[0] == "| script | run | run_cpu | audit | check | verify_loop |"
     assert "| moco | ok != fails |" in text
