@@ -260,7 +260,8 @@ def _no_restart_after_preemption() -> None:
     rank that exits 75 did not fail: the ranks saved on a stop signal (or were stopped
     before their first step) so that the scheduler requeues the job. A restart would
     train on and end with 0, and the requeue would never come: no restart then, and
-    `ddpkit run` ends with 75 (see _supervise)."""
+    `ddpkit run` ends with 75 (see _supervise). Nor after a call that `--cpu` cannot
+    rehearse: every attempt would meet it again."""
     try:
         from torch.distributed.elastic.agent.server.api import WorkerState
         from torch.distributed.elastic.agent.server.local_elastic_agent import (
@@ -274,9 +275,13 @@ def _no_restart_after_preemption() -> None:
 
     def monitor(self: Any, worker_group: Any) -> Any:
         result = original(self, worker_group)
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            return result
+        attempt = _latest_attempt(Path(os.environ[RUN_WORKER]))
+        if (
             any(failure.exitcode == PREEMPTED_EXIT for failure in result.failures.values())
-            or _stop_before_training(result.failures, _latest_attempt(Path(os.environ[RUN_WORKER])))
+            or _stop_before_training(result.failures, attempt)
+            or read_reports(attempt, ".refused.json")  # --cpu would only meet it again
         ):
             self._remaining_restarts = 0
         return result
