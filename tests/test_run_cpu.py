@@ -115,7 +115,9 @@ def test_a_cuda_stream_is_refused_in_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("ddpkit: torch.cuda.Stream() at streams.py:8 cannot be rehearsed")
     # A refusal is no failure to retry: --max-restarts would only meet it again.
-    again = run_cli("run", "--cpu", "--max-restarts", "2", "--nproc", "2", "streams.py", cwd=tmp_path)
+    again = run_cli(
+        "run", "--cpu", "--max-restarts", "2", "--nproc", "2", "streams.py", cwd=tmp_path
+    )
     assert (again.returncode, again.stderr.strip().splitlines()) == (2, lines), again.stderr
 
 
