@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -231,7 +231,7 @@ def test_uneven_shards_with_accumulation_train_sharded() -> None:
     assert ranks[0][0] == 2 * 3  # rank 1's 6 batches in groups of 2, each epoch
 
 
-def _evaluate_with_metrics(ctx: DistContext, strategy: str) -> list[Any]:
+def _evaluate_with_metrics(ctx: DistContext, strategy: Literal["ddp", "fsdp"]) -> list[Any]:
     """The initial model's evaluation (9 samples, batches of 4: rank 0 has 2 batches,
     rank 1 one) with a metrics_fn that runs the model again; every rank's metrics."""
     from tests.test_trainer_features import _data, _mlp

@@ -7,7 +7,7 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -420,7 +420,9 @@ def _fit_keeping_best(ctx: DistContext, folder: str, by_steps: bool, crash: int 
         done = progress[0].global_step // 2 if by_steps else progress[0].epoch
         return {"err": torch.tensor(_SCORES[done])}
 
-    by = {"max_steps": 8, "eval_every_steps": 2, "save_every_steps": 2} if by_steps else {}
+    by: dict[str, Any] = (
+        {"max_steps": 8, "eval_every_steps": 2, "save_every_steps": 2} if by_steps else {}
+    )
     config = TrainConfig(
         epochs=None if by_steps else 4,
         batch_size=4,
@@ -600,7 +602,7 @@ def _fit_weighed(ctx: DistContext, folder: str, batch_size: int, crash: int | No
 
     class _Weigh(Callback):
         def on_step_end(self, trainer: Trainer, at: int) -> None:
-            w = float(ddpkit.unwrap(trainer.model).w)
+            w = float(cast(torch.Tensor, ddpkit.unwrap(trainer.model).w))
             with open(Path(folder, f"weights.{ctx.rank}"), "a") as f:
                 f.write(" ".join(map(str, [at, w, *pending])) + "\n")
             pending.clear()
