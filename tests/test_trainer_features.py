@@ -855,3 +855,16 @@ def test_a_checkpoint_at_an_epochs_last_step_resumes_without_a_second_record(
     assert epochs == [(1, 5), (2, 10)]
     assert _log(cut) == _log(tmp_path / "a")
     assert_same_best(tmp_path / "a" / "ck", cut / "ck")
+
+
+def test_a_run_stopped_right_after_a_checkpoint_keeps_that_steps_line(tmp_path: Path) -> None:
+    # The run ends right after the checkpoint of step 8 is written (a kill there); the
+    # resumed run starts after step 8, so step 8's line must already be in the log.
+    opts: dict[str, Any] = {"save_every_steps": 4}
+    launch(_fit_resumable_log, str(tmp_path / "a"), opts, nprocs=2)
+    cut = tmp_path / "b"
+    with pytest.raises((WorkerError, RuntimeError), match="stopped after saving step 8"):
+        launch(_fit_resumable_log, str(cut), {**opts, "stop": 8}, nprocs=2)
+    launch(_fit_resumable_log, str(cut), {**opts, "resume": True}, nprocs=2)
+    assert [r["step"] for r in _log(cut, "step")] == list(range(1, 11))
+    assert _log(cut) == _log(tmp_path / "a")

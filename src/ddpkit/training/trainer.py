@@ -765,6 +765,13 @@ class Trainer:
     def _after_step(
         self, window: _Window | None, runlog: RunLog, epoch: int, epoch_loss: Callable[[], float]
     ) -> None:
+        if window is not None and self.global_step % self.config.log_every == 0:
+            # Before this step's checkpoint: a run that ends right after it resumes with
+            # the next step, and the line would be lost. One host sync per log interval,
+            # on rank 0 only: no rank waits for another.
+            values = window.flush()
+            values.update(epoch=epoch, lr=self._lr(), samples_seen=self.samples_seen)
+            runlog.write("step", self.global_step, values)
         if self.callbacks:
             self._call("on_step_end", self.global_step)
         cfg = self.config
@@ -798,11 +805,6 @@ class Trainer:
             self._bar.update()
         if window is None:
             return
-        if self.global_step % self.config.log_every == 0:
-            # One host sync per log interval, on rank 0 only: no rank waits for another.
-            values = window.flush()
-            values.update(epoch=epoch, lr=self._lr(), samples_seen=self.samples_seen)
-            runlog.write("step", self.global_step, values)
         if self._bar is not None and time.perf_counter() >= self._bar_due:
             # The bar's numbers cost a host sync too: at most one a second.
             loss, rate = window.peek()
