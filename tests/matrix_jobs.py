@@ -92,6 +92,7 @@ FEATURES = (
     "tuple_targets",  # (x, (label, aux)) batches, a loss_fn of both, an eval set
     "dict_targets",  # (x, {"label", "aux"}) batches, a loss_fn of both, an eval set
     "metrics_fn",  # uneven eval batches and a metrics_fn that runs the model
+    "eval_max_batches",  # the metrics_fn cell, evaluating at most 1 batch a rank
     "plateau",  # ReduceLROnPlateau, stepped per epoch
     # Pairs ddpkit refuses before training (test_matrix.REFUSED says where):
     "early_stop_no_eval",  # early stopping on eval_loss without an eval set
@@ -272,7 +273,7 @@ def build(
         job.train_sampler = LengthBuckets(
             job.train_set, num_replicas=ctx.world_size, rank=ctx.rank, seed=config.seed
         )
-    elif feature == "metrics_fn":
+    elif feature in ("metrics_fn", "eval_max_batches"):
         job.metrics_fn = top2_and_margin
     elif feature == "callbacks":
         job.callbacks = [Tally()]
@@ -291,6 +292,7 @@ EVALUATED = (
     "tuple_targets",
     "dict_targets",
     "metrics_fn",
+    "eval_max_batches",
     "plateau",
 )
 TARGETS = {"tuple_targets": "tuple", "dict_targets": "dict_targets"}  # feature -> Samples kind
@@ -361,6 +363,7 @@ FEATURE_OPTIONS: dict[str, dict[str, Any]] = {
     "early_stopping": {"epochs": 3, "early_stopping_patience": 1},
     "early_stop_no_eval": {"early_stopping_patience": 1},
     "plateau": {"scheduler_interval": "epoch"},
+    "eval_max_batches": {"eval_max_batches": 1},
 }
 
 

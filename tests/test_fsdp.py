@@ -231,9 +231,12 @@ def test_uneven_shards_with_accumulation_train_sharded() -> None:
     assert ranks[0][0] == 2 * 3  # rank 1's 6 batches in groups of 2, each epoch
 
 
-def _evaluate_with_metrics(ctx: DistContext, strategy: Literal["ddp", "fsdp"]) -> list[Any]:
+def _evaluate_with_metrics(
+    ctx: DistContext, strategy: Literal["ddp", "fsdp"], samples: int = 9, cap: int | None = None
+) -> list[Any]:
     """The initial model's evaluation (9 samples, batches of 4: rank 0 has 2 batches,
-    rank 1 one) with a metrics_fn that runs the model again; every rank's metrics."""
+    rank 1 one; at most `cap` batches a rank) with a metrics_fn that runs the model
+    again; every rank's metrics."""
     from tests.test_trainer_features import _data, _mlp
 
     ddpkit.seed_everything(0)
@@ -247,9 +250,9 @@ def _evaluate_with_metrics(ctx: DistContext, strategy: Literal["ddp", "fsdp"]) -
         lambda params: torch.optim.AdamW(params, lr=0.01),
         _data(24),
         ctx,
-        TrainConfig(batch_size=4, strategy=strategy, progress=False),
+        TrainConfig(batch_size=4, strategy=strategy, progress=False, eval_max_batches=cap),
         loss_fn=nn.functional.mse_loss,
-        eval_set=_data(9),
+        eval_set=_data(samples),
         metrics_fn=metrics,
         log_fn=lambda s: None,
     )
@@ -271,3 +274,14 @@ def test_uneven_eval_batches_with_a_metrics_fn_that_runs_the_model_evaluate_shar
     assert ranks[0].keys() == alone.keys()
     for name, value in alone.items():
         assert ranks[0][name] == pytest.approx(value, rel=1e-5), name
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_eval_max_batches_caps_each_ranks_batches(strategy: Literal["ddp", "fsdp"]) -> None:
+    # nanoGPT's eval_iters: 2 batches of 4 a rank out of 5, on every rank alike; under
+    # FSDP the shards of 9 (2 batches and 1) evaluate one batch each without a hang.
+    ranks = launch(_evaluate_with_metrics, strategy, 40, 2, nprocs=2, timeout=60, hang_timeout=20)
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["eval_samples"] == 16
+    uneven = launch(_evaluate_with_metrics, strategy, 9, 1, nprocs=2, timeout=60, hang_timeout=20)
+    assert uneven[0]["eval_samples"] == 8

@@ -266,10 +266,13 @@ def _straight_problems(
     """What the straight run of a cell got wrong, besides its ranks' states."""
     problems = [f"ranks differ after the straight run: {d}" for d in straight["diffs"]["ranks"]]
     if feature in mj.EVALUATED:
+        cap = mj.FEATURE_OPTIONS.get(feature, {}).get("eval_max_batches")
+        want = mj.EVAL_SAMPLES if cap is None else min(mj.EVAL_SAMPLES, nprocs * mj.BATCH * cap)
         seen = straight["eval"].get("eval_samples")
-        if seen != mj.EVAL_SAMPLES:
-            problems.append(f"evaluation counted {seen} samples, not {mj.EVAL_SAMPLES}")
-    if feature == "metrics_fn" and not {"eval_top2", "eval_margin"} <= set(straight["eval"]):
+        if seen != want:
+            problems.append(f"evaluation counted {seen} samples, not {want}")
+    metrics = {"eval_top2", "eval_margin"}
+    if feature in ("metrics_fn", "eval_max_batches") and not metrics <= set(straight["eval"]):
         problems.append(f"metrics_fn's metrics are missing: {sorted(straight['eval'])}")
     if feature == "run_log":
         records = _records(folder / "run-straight" / "metrics.jsonl")

@@ -97,6 +97,15 @@ class TrainConfig:
     checkpoint, step a ReduceLROnPlateau and count for early stopping (`loss` is then the
     epoch's mean training loss so far). 0 evaluates at epoch ends only (as it does
     anyway)."""
+    eval_max_batches: int | None = _opt(
+        None,
+        "evaluate at most N batches on each rank (default: the whole eval set)",
+        ge=1,
+        example=200,
+    )
+    """A cap on each evaluation, for an eval set too large to pass over every time
+    (nanoGPT's `eval_iters`): each rank evaluates the first N batches of its shard, the
+    same ones every time, and `eval_samples` says how many samples that was."""
     keep_best: str | None = _opt(
         None,
         "also keep the checkpoint with the best value of this metric, as best.pt",

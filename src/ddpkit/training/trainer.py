@@ -832,7 +832,12 @@ class Trainer:
         batches = 0
         training_bar = self._bar, self._bar_steps  # evaluate() may run mid-epoch
         try:
-            for batch in self._open_bar(self.eval_loader, "eval", _length(self.eval_loader)):
+            cap, length = self.config.eval_max_batches, _length(self.eval_loader)
+            if cap is not None and length is not None:
+                length = min(length, cap)
+            for batch in self._open_bar(self.eval_loader, "eval", length):
+                if cap is not None and batches >= cap:
+                    break
                 batches += 1
                 n = count_samples(batch)
                 batch = to_device(batch, device)
@@ -907,6 +912,8 @@ class Trainer:
         longest = math.ceil(
             len(range(0, shard.length, shard.world_size)) / (loader.batch_size or 1)
         )
+        if self.config.eval_max_batches is not None:
+            longest = min(longest, self.config.eval_max_batches)
         if batches >= longest:
             return
         # The eval set's first sample stands in (a rank may have had none at all). The
