@@ -169,6 +169,49 @@ def test_bad_arguments_are_clear_errors() -> None:
         launch(_identity, "x", nprocs=2, start="thread")  # type: ignore[arg-type]
 
 
+def test_launch_takes_its_settings_as_one_launch_config() -> None:
+    from ddpkit.processes.config import LaunchConfig
+
+    # Whole, as ddpkit train passes it.
+    out = launch(_identity, "whole", config=LaunchConfig(nprocs=1))
+    assert out["pid"] == os.getpid() and out["world"] == 1
+    # A keyword fills a field the config leaves at its default (a worker, forked) ...
+    out = launch(_identity, "both", config=LaunchConfig(nprocs=1), start="fork", nprocs=1)
+    assert out["pid"] != os.getpid() and out["sum"] == 1.0
+    # ... the config's resolved hang timeout (300 s) is no obstacle to a shorter timeout ...
+    assert launch(_identity, "t", config=LaunchConfig(nprocs=1), timeout=60)["world"] == 1
+    # ... and one that contradicts a field the config sets is refused, in one line.
+    refused = {
+        "nprocs=3 disagrees with the LaunchConfig's nprocs=2": ({"nprocs": 2}, {"nprocs": 3}),
+        "audit=False disagrees with the LaunchConfig's audit=True": (
+            {"audit": True},
+            {"audit": False},
+        ),
+        # a hang timeout the config sets is checked against the timeout given beside it
+        "the hang timeout (120 s) must not exceed the collective timeout (60 s)": (
+            {"hang_timeout": 120},
+            {"timeout": 60},
+        ),
+        # what only ddpkit run uses means nothing to launch: refused, not ignored
+        "launch does not use log_dir='logs'": ({"log_dir": "logs"}, {}),
+        "launch does not use cpu=True": ({"cpu": True}, {}),
+    }
+    for message, (fields, keywords) in refused.items():
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            launch(_identity, "x", config=LaunchConfig(**fields), **keywords)  # type: ignore[arg-type]
+        assert "\n" not in str(err.value), message
+    # Each keyword of launch is a field of the config: declared once, there.
+    import dataclasses
+    import inspect
+
+    keywords = [
+        p.name
+        for p in inspect.signature(launch).parameters.values()
+        if p.kind is p.KEYWORD_ONLY and p.name != "config"
+    ]
+    assert set(keywords) <= {f.name for f in dataclasses.fields(LaunchConfig)}
+
+
 _START_SCRIPT = textwrap.dedent(
     """
     import threading, time

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -176,16 +177,10 @@ def _check_and_launch(
         check_writable(config.checkpoint_dir)
         if config.resume:  # raises if none loads; the workers say what they skip
             find_checkpoint(config.checkpoint_dir, DistContext.single("cpu"))
-    result = launch(
-        train_worker,
-        job_name,
-        config,
-        nprocs=nproc,
-        backend=backend,  # type: ignore[arg-type]
-        hang_timeout=settings.hang_timeout,
-        signal_grace=settings.signal_grace,
-    )
-    return result, nproc
+    # Resolved once, here: what was checked above is what starts. (`config`, the
+    # TrainConfig, goes to train_worker; `config=`, the LaunchConfig, to launch.)
+    settings = dataclasses.replace(settings, nprocs=nproc, backend=backend)
+    return launch(train_worker, job_name, config, config=settings), nproc
 
 
 def _resume_command(config: Any) -> str:

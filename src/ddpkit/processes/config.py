@@ -11,7 +11,9 @@ from __future__ import annotations
 import ipaddress
 import math
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ddpkit.errors import ConfigError
 from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
@@ -25,7 +27,10 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How the workers of a job start and are watched. Every field has a default."""
+    """How the workers of a job start and are watched. Every field has a default.
+
+    `launch(fn, config=LaunchConfig(...))` takes it whole; `ddpkit train` and
+    `ddpkit run` build one from their flags."""
 
     nprocs: int | str = "auto"
     """Processes on this machine: "auto" is one per visible GPU, else one per CPU core."""
@@ -91,6 +96,8 @@ class LaunchConfig:
     CUDA calls are mapped onto the CPU in each rank (see `ddpkit.processes.rehearse`),
     and the job is a CPU job (gloo, one process per core unless nprocs says otherwise,
     the cores shared out between the ranks)."""
+    # Whether hang_timeout was given, not resolved from the timeout (see `merged`).
+    _hang_given: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -107,6 +114,7 @@ class LaunchConfig:
                 f"timeout must be a number of seconds > 0 (got {self.timeout}): pass timeout=1800"
             )
         hang = self.hang_timeout
+        object.__setattr__(self, "_hang_given", hang is not None)
         if hang is None:
             hang = min(DEFAULT_HANG_TIMEOUT, self.timeout)
             object.__setattr__(self, "hang_timeout", hang)
@@ -182,6 +190,24 @@ class LaunchConfig:
             raise ConfigError(
                 f"--log-dir {self.log_dir!r} names no folder: pass --log-dir DIR, or leave it out"
             )
+
+    def merged(self, keywords: Mapping[str, Any]) -> LaunchConfig:
+        """This config with `keywords` (field names and values, as given to `launch`)
+        set where it leaves a field at its default; a keyword that contradicts a field
+        it sets is refused, for only one of them could be meant."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        if not self._hang_given:
+            values["hang_timeout"] = None  # resolved again, from the timeout it ends with
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, value in keywords.items():
+            mine = values[name]
+            if mine != defaults[name] and mine != value:
+                raise ConfigError(
+                    f"{name}={value!r} disagrees with the LaunchConfig's {name}={mine!r}: "
+                    "give each setting once, as a keyword or in the config"
+                )
+            values[name] = value
+        return LaunchConfig(**values)
 
     @property
     def store_host(self) -> str:

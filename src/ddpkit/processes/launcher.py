@@ -8,6 +8,7 @@ every worker within seconds when one fails. Under torchrun it spawns nothing and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -42,7 +43,6 @@ from ddpkit.processes.machine import (
 )
 from ddpkit.processes.nccl import TRACE_PREFIX, nccl_watch
 from ddpkit.processes.preemption import (
-    DEFAULT_SIGNAL_GRACE,
     STOP_SIGNALS,
     SignalForwarder,
     ddpkit_job,
@@ -84,14 +84,15 @@ _GRACE_S = 3.0
 def launch(
     fn: Callable[..., T],
     *args: Any,
-    nprocs: int | str = "auto",
-    backend: Backend = "auto",
-    init: Init = "tcp",
-    timeout: float = 1800.0,
+    config: LaunchConfig | None = None,
+    nprocs: int | str | None = None,
+    backend: Backend | None = None,
+    init: Init | None = None,
+    timeout: float | None = None,
     hang_timeout: float | None = None,
-    signal_grace: float = DEFAULT_SIGNAL_GRACE,
-    start: StartMethod = "auto",
-    audit: bool = False,
+    signal_grace: float | None = None,
+    start: StartMethod | None = None,
+    audit: bool | None = None,
 ) -> T:
     """Run `fn(ctx, *args)` on every GPU (or CPU core) and return rank 0's result.
 
@@ -112,17 +113,24 @@ def launch(
             or a script read from stdin cannot be imported by a new interpreter, so
             its workers are forked (see `start`).
         *args: passed to `fn` after `ctx`; they must pickle.
-        nprocs: processes to start ("auto": one per visible GPU, else per CPU core).
-        backend: "auto" (nccl on GPUs, gloo on CPU), "gloo" or "nccl".
-        init: how ranks meet: "tcp" (a store on 127.0.0.1) or "file".
-        timeout: seconds any collective may wait before it fails.
-        hang_timeout: seconds before ranks that make no progress are stopped (0: never).
-        signal_grace: seconds the ranks get to save and stop after a stop signal.
-        start: how workers start: "auto", "fork", "forkserver" or "spawn".
+        config: the settings below as one `ddpkit.processes.config.LaunchConfig`, which
+            says in full what each does and checks it. A keyword given beside it sets a
+            field the config leaves at its default; one that contradicts a field the
+            config sets raises ConfigError. Its `ddpkit run` fields (`nnodes`, `cpu`,
+            `log_dir`, ...) must stay at their defaults.
+        nprocs: processes to start (default "auto": one per visible GPU, else per CPU
+            core).
+        backend: "auto" (the default: nccl on GPUs, gloo on CPU), "gloo" or "nccl".
+        init: how ranks meet: "tcp" (the default: a store on 127.0.0.1) or "file".
+        timeout: seconds any collective may wait before it fails (default 1800).
+        hang_timeout: seconds before ranks that make no progress are stopped (default
+            300, or `timeout` if shorter; 0: never).
+        signal_grace: seconds the ranks get to save and stop after a stop signal
+            (default 60).
+        start: how workers start: "auto" (the default), "fork", "forkserver" or "spawn".
         audit: after the job, print on stderr the DDP pitfalls it actually committed
-            (ranks that trained different weights, a file saved by every rank, ...). Each of
-            these settings is a field of `ddpkit.processes.config.LaunchConfig`, which
-            says in full what it does and checks it.
+            (ranks that trained different weights, a file saved by every rank, ...).
+            Off by default.
 
     Returns:
         What `fn` returned on rank 0 (under an agent, only rank 0 returns). From spawned
@@ -143,16 +151,18 @@ def launch(
             with status 75.
         ConfigError: a bad argument, named with its fix.
     """
-    cfg = LaunchConfig(
-        nprocs=nprocs,
-        backend=backend,
-        init=init,
-        timeout=timeout,
-        hang_timeout=hang_timeout,
-        signal_grace=signal_grace,
-        start=start,
-        audit=audit,
-    )
+    keywords = {
+        "nprocs": nprocs,
+        "backend": backend,
+        "init": init,
+        "timeout": timeout,
+        "hang_timeout": hang_timeout,
+        "signal_grace": signal_grace,
+        "start": start,
+        "audit": audit,
+    }
+    cfg = (config or LaunchConfig()).merged({k: v for k, v in keywords.items() if v is not None})
+    _check_used(cfg, keywords)
     if dist.is_available() and dist.is_initialized():
         # The caller set up the group itself (or we are nested): just run.
         return fn(DistContext.current(), *args)
@@ -163,6 +173,17 @@ def launch(
     if n == 1 and cfg.start == "auto":
         return _run_single(fn, args, backend_, cfg.timeout)
     return _spawn(fn, args, n, backend_, cfg)
+
+
+def _check_used(cfg: LaunchConfig, used: Mapping[str, Any]) -> None:
+    """Refuse a setting that only `ddpkit run` uses (`used`: the ones launch uses)."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.init and f.name not in used and value != f.default:
+            raise ConfigError(
+                f"launch does not use {f.name}={value!r}, a setting of `ddpkit run`: leave "
+                "it out of the LaunchConfig, or start the script with ddpkit run"
+            )
 
 
 def _run_single(fn: Callable[..., T], args: tuple[Any, ...], backend: str, timeout_s: float) -> T:
