@@ -303,7 +303,6 @@ def _spawn(
     backend: str,
     cfg: LaunchConfig,
 ) -> T:
-    timeout_s, hang_timeout = cfg.timeout, cfg.hang_s
     check_picklable(fn)
     method = start_method(
         cast(StartMethod, cfg.start), backend, unimportable=unimportable(fn, args)
@@ -316,45 +315,9 @@ def _spawn(
     # queue), and the store starts serving it once the workers exist.
     listener = listening_socket(LOOPBACK) if cfg.init == "tcp" else None
     store: Any = None
-    tmpdir = scratch_dir("job")
-    status = tmpdir / "status" if hang_timeout > 0 else None
-    if status:
-        status.mkdir()
-    traces = tmpdir / "nccl-trace" if backend == "nccl" else None
-    if traces:
-        traces.mkdir()
-    audited = tmpdir / "audit" if cfg.audit else None
-    if audited:
-        audited.mkdir()
-    spec = Spec(
-        world_size=n,
-        backend=backend,
-        store_port=listener.getsockname()[1] if listener else None,
-        init_file=None if listener else str(tmpdir / "rendezvous"),
-        status_dir=str(status) if status else None,
-        timeout_s=timeout_s,
-        log_level=logging.getLogger("ddpkit").getEffectiveLevel(),
-        parent_pid=os.getpid(),
-        forked=method == "fork",
-        # A forked worker holds a copy of the listening socket: it closes it.
-        inherited_fd=listener.fileno() if listener and method == "fork" else None,
-        # The server's workers are copies of the server: of its environment too, as it
-        # was when the first launch started it.
-        environ=dict(os.environ) if method == "forkserver" else None,
-        stdio=(ParentFd(1), ParentFd(2)) if method == "forkserver" else None,
-        hang_timeout=hang_timeout,
-        trace_dir=str(traces) if traces else None,
-        audit_dir=str(audited) if audited else None,
-        # Each rank starts from the streams the script seeded, the others fresh: as if it
-        # ran the script itself (ddpkit run), not as a copy of this process's draws.
-        rng=seeded_by_script(),
-    )
+    folders = _JobFolders.make(cfg, backend)
+    spec = _spec(n, backend, cfg, method, listener, folders)
     log.debug("starting %d workers with %s", n, method)
-    # Python 3.12+ warns at every fork while threads run. "auto" forks then only for a
-    # function from a notebook or python -c, whose kernel threads a worker never uses
-    # (see start_method): the warning would only alarm the user. Asked for by name,
-    # fork keeps Python's warning.
-    quiet_fork = cfg.start == "auto" and method == "fork"
     procs: dict[int, BaseProcess] = {}
     conns: dict[int, Connection] = {}
     watch: HangWatch | None = None
@@ -364,45 +327,22 @@ def _spawn(
     )
     handlers = forwarder.install()
     try:
-        for rank in range(n):
-            if forwarder.signum:
-                break  # stopped while starting: start no more workers
-            recv, send = mp.Pipe(duplex=False)
-            proc = mp.Process(
-                target=worker, args=(rank, spec, fn, args, send), name=f"ddpkit-rank{rank}"
-            )
-            try:
-                with warnings.catch_warnings():
-                    if quiet_fork:
-                        warnings.filterwarnings(
-                            "ignore", "This process .* is multi-threaded", DeprecationWarning
-                        )
-                    proc.start()
-            except (AttributeError, TypeError, ValueError) as exc:  # pickling fn or args
-                raise ConfigError(
-                    f"cannot send {getattr(fn, '__name__', fn)!r} or its arguments to the "
-                    f"workers ({exc}): define the function at module level and pass "
-                    "picklable arguments"
-                ) from exc
-            finally:
-                send.close()
-            procs[rank], conns[rank] = proc, recv
-        # A signal that came while a worker was being started has not reached it.
-        forwarder.catch_up()
-        if forwarder.signum and len(procs) < n:
-            # Some ranks never started, so none can have trained: nothing is lost.
-            _stop(procs.values())
-            if forwarder.signum == signal.SIGINT:
-                forwarder.stop_now()  # Ctrl-C: KeyboardInterrupt, as at any time
-            raise StoppedAtStart(forwarder.signum)
+        # Python 3.12+ warns at every fork while threads run. "auto" forks then only for
+        # a function from a notebook or python -c, whose kernel threads a worker never
+        # uses (see start_method): the warning would only alarm the user. Asked for by
+        # name, fork keeps Python's warning.
+        quiet_fork = cfg.start == "auto" and method == "fork"
+        _start_workers(mp, spec, fn, args, forwarder, procs, conns, quiet_fork=quiet_fork)
         if listener is not None:
             store, listener = serve_store(world_size=n, listener=listener), None
-        if status is not None:
+        if folders.status is not None:
             # Started after the forks, like the store: a fork must happen with no thread.
-            judge = HangJudge(hang_timeout, n, collective_timeout=timeout_s)
-            watch = HangWatch(functools.partial(read_reports, status), judge, lambda h: None)
+            judge = HangJudge(cfg.hang_s, n, collective_timeout=cfg.timeout)
+            reports = functools.partial(read_reports, folders.status)
+            watch = HangWatch(reports, judge, lambda h: None)
             watch.start()
-        return cast(T, _supervise(procs, conns, watch, forwarder, nccl=bool(traces)))
+        nccl = folders.traces is not None
+        return cast(T, _supervise(procs, conns, watch, forwarder, nccl=nccl))
     finally:
         if watch is not None:
             watch.stop()
@@ -410,14 +350,120 @@ def _spawn(
         _stop(procs.values())
         for conn in conns.values():
             conn.close()
-        if traces:
-            _keep_traces(traces)
-        if audited:
-            print(audit_report(audit_findings(audited)), end="", file=sys.stderr, flush=True)
-        shutil.rmtree(tmpdir, ignore_errors=True)
+        folders.close()
         if listener is not None:
             listener.close()
         del store
+
+
+@dataclasses.dataclass
+class _JobFolders:
+    """The job's scratch folder, and in it what the workers write there, where the job
+    has it: each rank's progress (the hang watch's reports), the dumps of NCCL's flight
+    recorder and the audit's records."""
+
+    root: Path
+    status: Path | None
+    traces: Path | None
+    audit: Path | None
+
+    @classmethod
+    def make(cls, cfg: LaunchConfig, backend: str) -> _JobFolders:
+        root = scratch_dir("job")
+        wanted = {"status": cfg.hang_s > 0, "nccl-trace": backend == "nccl", "audit": cfg.audit}
+        made = {name: root / name if on else None for name, on in wanted.items()}
+        for folder in made.values():
+            if folder is not None:
+                folder.mkdir()
+        return cls(root, made["status"], made["nccl-trace"], made["audit"])
+
+    def close(self) -> None:
+        """Keep NCCL's dumps, print the audit's findings, and remove the rest."""
+        if self.traces:
+            _keep_traces(self.traces)
+        if self.audit:
+            print(audit_report(audit_findings(self.audit)), end="", file=sys.stderr, flush=True)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _spec(
+    n: int,
+    backend: str,
+    cfg: LaunchConfig,
+    method: str,
+    listener: Any,
+    folders: _JobFolders,
+) -> Spec:
+    """What every worker is told: how to meet the others, and what to watch and write."""
+    return Spec(
+        world_size=n,
+        backend=backend,
+        store_port=listener.getsockname()[1] if listener else None,
+        init_file=None if listener else str(folders.root / "rendezvous"),
+        status_dir=str(folders.status) if folders.status else None,
+        timeout_s=cfg.timeout,
+        log_level=logging.getLogger("ddpkit").getEffectiveLevel(),
+        parent_pid=os.getpid(),
+        forked=method == "fork",
+        # A forked worker holds a copy of the listening socket: it closes it.
+        inherited_fd=listener.fileno() if listener and method == "fork" else None,
+        # The server's workers are copies of the server: of its environment too, as it
+        # was when the first launch started it.
+        environ=dict(os.environ) if method == "forkserver" else None,
+        stdio=(ParentFd(1), ParentFd(2)) if method == "forkserver" else None,
+        hang_timeout=cfg.hang_s,
+        trace_dir=str(folders.traces) if folders.traces else None,
+        audit_dir=str(folders.audit) if folders.audit else None,
+        # Each rank starts from the streams the script seeded, the others fresh: as if it
+        # ran the script itself (ddpkit run), not as a copy of this process's draws.
+        rng=seeded_by_script(),
+    )
+
+
+def _start_workers(
+    mp: Any,
+    spec: Spec,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    forwarder: SignalForwarder,
+    procs: dict[int, BaseProcess],
+    conns: dict[int, Connection],
+    *,
+    quiet_fork: bool,
+) -> None:
+    """Start one worker per rank into `procs`, with the end of its pipe into `conns`;
+    raise StoppedAtStart if a stop signal comes before every one has started."""
+    for rank in range(spec.world_size):
+        if forwarder.signum:
+            break  # stopped while starting: start no more workers
+        recv, send = mp.Pipe(duplex=False)
+        proc = mp.Process(
+            target=worker, args=(rank, spec, fn, args, send), name=f"ddpkit-rank{rank}"
+        )
+        try:
+            with warnings.catch_warnings():
+                if quiet_fork:
+                    warnings.filterwarnings(
+                        "ignore", "This process .* is multi-threaded", DeprecationWarning
+                    )
+                proc.start()
+        except (AttributeError, TypeError, ValueError) as exc:  # pickling fn or args
+            raise ConfigError(
+                f"cannot send {getattr(fn, '__name__', fn)!r} or its arguments to the "
+                f"workers ({exc}): define the function at module level and pass "
+                "picklable arguments"
+            ) from exc
+        finally:
+            send.close()
+        procs[rank], conns[rank] = proc, recv
+    # A signal that came while a worker was being started has not reached it.
+    forwarder.catch_up()
+    if forwarder.signum and len(procs) < spec.world_size:
+        # Some ranks never started, so none can have trained: nothing is lost.
+        _stop(procs.values())
+        if forwarder.signum == signal.SIGINT:
+            forwarder.stop_now()  # Ctrl-C: KeyboardInterrupt, as at any time
+        raise StoppedAtStart(forwarder.signum)
 
 
 def _keep_traces(traces: Path) -> None:
@@ -448,6 +494,50 @@ def _blame_key(failure: tuple[float, WorkerError]) -> tuple[int, float]:
     return blame_key(err.exitcode, Exception.__str__(err), when)
 
 
+@dataclasses.dataclass
+class _Heard:
+    """What the workers said through their pipes, and how they ended."""
+
+    open_conns: dict[int, Connection]
+    results: dict[int, Any] = dataclasses.field(default_factory=dict)
+    preempted: dict[int, Preempted] = dataclasses.field(default_factory=dict)
+    trained: bool = False  # some rank took an optimizer step (see preemption.starting_up)
+    failures: list[tuple[float, WorkerError]] = dataclasses.field(default_factory=list)
+    # rank -> the collective its error came from
+    waits: dict[int, dict[str, str] | None] = dataclasses.field(default_factory=dict)
+
+    def drain(self, rank: int) -> None:
+        """Read what `rank` has sent and not yet been read."""
+        conn = self.open_conns.get(rank)
+        while conn is not None and conn.poll():
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self.open_conns.pop(rank).close()
+                return
+            if msg[0] == "ok":
+                self.results[rank] = msg[1]
+            elif msg[0] == "preempted":
+                self.preempted[rank] = msg[1]
+            elif msg[0] == "trained":
+                self.trained = True
+            else:
+                _, when, exc_type, text, tb, self.waits[rank] = msg
+                message = f"rank {rank} raised {exc_type}: {text}"
+                err = WorkerError(rank, message, exc_type=exc_type, traceback=tb)
+                self.failures.append((when, err))
+
+    def ended(self, rank: int, code: int, *, nccl: bool) -> None:
+        """`rank`'s process exited with `code`: a failure, if it said none itself."""
+        self.drain(rank)  # a message sent just before exit is still in the pipe
+        reported = [f for _, f in self.failures if f.rank == rank]
+        for err in reported:
+            err.exitcode = code
+        if code != 0 and not reported:
+            err = WorkerError(rank, _describe_exit(rank, code, nccl=nccl), exitcode=code)
+            self.failures.append((time.time(), err))
+
+
 def _supervise(
     procs: dict[int, BaseProcess],
     conns: dict[int, Connection],
@@ -461,42 +551,16 @@ def _supervise(
     its notices about ranks that keep the others waiting. After a stop signal, raise
     `Preempted` when the ranks saved, `StoppedAtStart` when no rank had trained yet
     (nothing is lost), else leave as the signal would have."""
-    results: dict[int, Any] = {}
-    preempted: dict[int, Preempted] = {}
-    trained = False  # some rank took an optimizer step (see preemption.starting_up)
-    failures: list[tuple[float, WorkerError]] = []
-    waits: dict[int, dict[str, str] | None] = {}  # rank -> the collective its error came from
+    heard = _Heard(dict(conns))
     running = dict(procs)
-    open_conns = dict(conns)
     settle_until: float | None = None
-
-    def drain(rank: int) -> None:
-        nonlocal trained
-        conn = open_conns.get(rank)
-        while conn is not None and conn.poll():
-            try:
-                msg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                open_conns.pop(rank).close()
-                return
-            if msg[0] == "ok":
-                results[rank] = msg[1]
-            elif msg[0] == "preempted":
-                preempted[rank] = msg[1]
-            elif msg[0] == "trained":
-                trained = True
-            else:
-                _, when, exc_type, text, tb, waits[rank] = msg
-                message = f"rank {rank} raised {exc_type}: {text}"
-                failures.append((when, WorkerError(rank, message, exc_type=exc_type, traceback=tb)))
-
     all_done_at: float | None = None
     while running:
         now = time.monotonic()
         if settle_until is not None and now >= settle_until:
             break
         if forwarder.expired():
-            if trained:  # else nothing was to be saved: StoppedAtStart says it below
+            if heard.trained:  # else nothing was to be saved: StoppedAtStart says it below
                 print(
                     f"ddpkit: the ranks did not save and stop within {forwarder.grace:g} s "
                     "of the signal: stopping them; the newest checkpoint on disk is complete",
@@ -511,32 +575,30 @@ def _supervise(
             _stop(running.values())
             break
         handles: list[Any] = [p.sentinel for p in running.values()]
-        handles += list(open_conns.values())
+        handles += list(heard.open_conns.values())
         wait(handles, timeout=1.0 if settle_until is None else settle_until - now)
-        for rank in list(open_conns):
-            drain(rank)
+        for rank in list(heard.open_conns):
+            heard.drain(rank)
         for rank, proc in list(running.items()):
-            if proc.exitcode is None:
-                continue
-            drain(rank)  # a message sent just before exit is still in the pipe
-            del running[rank]
-            code = proc.exitcode
-            reported = [f for _, f in failures if f.rank == rank]
-            for err in reported:
-                err.exitcode = code
-            if code != 0 and not reported:
-                err = WorkerError(rank, _describe_exit(rank, code, nccl=nccl), exitcode=code)
-                failures.append((time.time(), err))
-        if failures and settle_until is None:
+            if proc.exitcode is not None:
+                del running[rank]
+                heard.ended(rank, proc.exitcode, nccl=nccl)
+        if heard.failures and settle_until is None:
             settle_until = time.monotonic() + _SETTLE_S
-        if all_done_at is None and len(results) == len(procs):
+        if all_done_at is None and len(heard.results) == len(procs):
             all_done_at = time.monotonic()
-        if watch is not None and (failures or forwarder.signum):
+        if watch is not None and (heard.failures or forwarder.signum):
             watch.stop()  # the job ends for another reason: no hang to find
         elif watch is not None and watch.hang is not None:
             raise HangError(watch.hang.summary(len(procs)), watch.hang.stacks())
-    if preempted:
-        saved = preempted[min(preempted)]
+    return _outcome(heard, len(procs), forwarder)
+
+
+def _outcome(heard: _Heard, nprocs: int, forwarder: SignalForwarder) -> Any:
+    """Once the workers are gone: rank 0's result, or what stopped the job, raised."""
+    results, failures = heard.results, heard.failures
+    if heard.preempted:
+        saved = heard.preempted[min(heard.preempted)]
         if forwarder.signum and forwarder.signum != saved.signum:
             # The ranks agree on the largest signal number any of them got (SIGTERM
             # over a Ctrl-C that came after it, say); the stop line names the signal
@@ -544,17 +606,18 @@ def _supervise(
             saved = Preempted(saved.checkpoint, saved.step, forwarder.signum)
         raise saved
     stop = forwarder.signum or _stop_signal_of([err for _, err in failures])
-    if stop in STOP_SIGNALS and not trained and not results:
+    if stop in STOP_SIGNALS and not heard.trained and not results:
         # Before any rank's first optimizer step, however the ranks ended (the signal's
         # exit, a collective that lost its peer, killed before their handlers): a
         # requeue starts the job again with nothing lost.
         raise StoppedAtStart(stop)
-    if forwarder.signum and len(results) < len(procs):
+    if forwarder.signum and len(results) < nprocs:
         forwarder.stop_now()  # stopped by the signal before anything was saved
     if failures:
         errors = [err for _, err in failures]
         summary = left_early(
-            sorted(results), {e.rank: (Exception.__str__(e), waits.get(e.rank)) for e in errors}
+            sorted(results),
+            {e.rank: (Exception.__str__(e), heard.waits.get(e.rank)) for e in errors},
         )
         if summary is not None:
             stacks = "\n\n".join(
