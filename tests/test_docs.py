@@ -207,6 +207,8 @@ MORE_BUILDING_BLOCKS = {
     "VerifyReport": "ddpkit.verification",
     "no_backward_sync": "ddpkit.parallel.sync",
     "Accumulation": "ddpkit.parallel.sync",
+    "StepPlan": "ddpkit.parallel.steps",
+    "MicroBatch": "ddpkit.parallel.steps",
     "SyncBatchNorm": "ddpkit.parallel.syncbn",
     "reduce_sums": "ddpkit.parallel.ranks",
     "model_digest": "ddpkit.checkpoint.digest",

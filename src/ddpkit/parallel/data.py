@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import (
     DataLoader,
     Dataset,
@@ -61,7 +62,12 @@ class DistributedLoader(DataLoader[Any]):
     # pass: where its batches stand in the sampler's padded order (gather_for_metrics).
     pass_skipped: int = 0
     pass_length: int | None = None
-    _resume_plan: tuple[int, dict[str, Any] | None] | None = None  # see resume_at
+    epoch: int = 0  # the epoch of the next pass (set_epoch)
+    # The last batch the pass under way read past (a resume's), else None: over uneven
+    # shards a rank whose data ran out before the save trains with it as a stand-in.
+    last_read_past: Any = None
+    # (batches to read past, random streams to restore, batches counted done): see resume_at
+    _resume_plan: tuple[int, dict[str, Any] | None, int] | None = None
 
     @property
     def base_sampler(self) -> Any:
@@ -70,6 +76,7 @@ class DistributedLoader(DataLoader[Any]):
         return sampler.inner if isinstance(sampler, _Positioned) else sampler
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         set_sampler_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_sampler_epoch):
             set_sampler_epoch(epoch)
@@ -83,9 +90,25 @@ class DistributedLoader(DataLoader[Any]):
         The streams are restored only once the pass has started and the batches are
         passed, because both may draw random numbers that the interrupted run drew
         before it saved. Map-style data skips the indices without loading them; an
-        IterableDataset reads past its batches. Later passes are plain.
+        IterableDataset reads past its batches, and so do shards that may differ in
+        length between ranks (your own sampler): a rank whose shard ran out before the
+        save keeps the last batch as its stand-in (`ddpkit.parallel.steps`). Later
+        passes are plain.
         """
-        self._resume_plan = (0 if self.skip(batches) else batches, rng)
+        uneven = not isinstance(self.base_sampler, DistributedSampler) and _world() > 1
+        skipped = not uneven and self.skip(batches)
+        self._resume_plan = (0 if skipped else batches, rng, batches)
+
+    def next_pass(self) -> tuple[int, int | None]:
+        """(the batches of the epoch that the next pass starts after, the epoch's
+        batches in all or None when unknown): where a `resume_at` left it."""
+        done = 0 if self._resume_plan is None else self._resume_plan[2]
+        read_past = 0 if self._resume_plan is None else self._resume_plan[0]
+        try:
+            length = len(self)
+        except TypeError:  # an IterableDataset without __len__
+            return done, None
+        return done, length + done - read_past
 
     def __iter__(self) -> _BaseDataLoaderIter:
         plan, self._resume_plan = self._resume_plan, None
@@ -94,9 +117,10 @@ class DistributedLoader(DataLoader[Any]):
         sampler = self.sampler  # a stream's has no length
         self.pass_length = len(sampler) if isinstance(sampler, _Positioned) else None
         batches = super().__iter__()
+        self.last_read_past = None
         if plan is not None:
-            read_past, rng = plan
-            for _ in itertools.islice(batches, read_past):
+            read_past, rng, _ = plan
+            for self.last_read_past in itertools.islice(batches, read_past):
                 pass
             if rng is not None:
                 set_rng_state(rng)
@@ -690,3 +714,8 @@ def _kept_options(
             "its own share, or use shuffle=True/False"
         )
     return kept
+
+
+def _world() -> int:
+    """The number of ranks of the process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -17,11 +17,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.checkpoint.pt import find_checkpoint, keep_as_best, lock_folder
 from ddpkit.checkpoint.state import checkpoint_state, restore, save_state
@@ -40,8 +38,8 @@ from ddpkit.parallel.data import ShardSampler, prepare_loader
 from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
 from ddpkit.parallel.ranks import all_gather, broadcast_object, reduce_sums
+from ddpkit.parallel.steps import StepPlan
 from ddpkit.parallel.strategy import Strategy, prepare_model
-from ddpkit.parallel.sync import Accumulation
 from ddpkit.processes.preemption import StopVote, ddpkit_job, saving_on_signal
 from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
@@ -421,25 +419,14 @@ class Trainer:
         self._saved_step = -1  # the step of this run's newest checkpoint
         self._evaluated: tuple[int, dict[str, float]] = (-1, {})  # the newest evaluation
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
-        self._resume_rng: dict[str, Any] | None = None  # restored once resumed batches are skipped
         self._resumed_step: int | None = None  # the run log drops its records after it, once
         self._resumed_inside = False  # ... and that epoch's record: it resumed inside it
-        self._last_batch: Any = None  # stands in when this rank's uneven shard has run out
         self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
         self.last_checkpoint: Path | None = None
-        # Shards of unequal length are possible only with a sampler or dataset that is
-        # not ours; then the ranks agree on every step (see _agreed_groups).
-        self._uneven = ctx.distributed and not isinstance(
-            self.train_loader.base_sampler, DistributedSampler
-        )
-        # The ranks agree on each step of such shards (or of unknown length) with counts
-        # in CPU memory, over gloo: counts on a GPU would make the step wait for the
-        # device to finish all it has queued. A gloo group of its own beside nccl.
-        self._agree_group: Any = None
-        agrees = self._uneven or _length(self.train_loader) is None
-        if agrees and ctx.distributed and ctx.backend != "gloo":
-            self._agree_group = dist.new_group(backend="gloo")  # a collective: every rank
-        if self._uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
+        # Which micro-batches make each optimizer step, with what weight: a hand-written
+        # loop's too. Over uneven shards the ranks agree on every step.
+        self.plan = StepPlan(self.train_loader, self.model, config.accumulate, ctx)
+        if self.plan.uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
             raise ConfigError(
                 "a custom sampler or an IterableDataset can give ranks unequal numbers of "
                 "batches, and synchronized BatchNorm cannot run on a rank whose data has "
@@ -601,59 +588,43 @@ class Trainer:
             total, n = reduce_sums([self._loss_sum, self._count], self.ctx)
             return total / max(n, 1)
 
-        # Resumed from a checkpoint written mid-epoch: start after the batches it had
-        # trained. A map-style dataset skips their indices without loading them; an
-        # IterableDataset can only read past them.
-        skip = self.batch
-        # Uneven shards read past their trained batches: a rank whose shard ran out
-        # before the save keeps the last one as its stand-in (see _agreed_groups).
-        skipped = bool(skip) and not self._uneven and self.train_loader.skip(skip)
-        batches = _length(self.train_loader)
-        total = None if batches is None else batches + (skip if skipped else 0)
-        batch_iter = iter(self.train_loader)
-        if skip and not skipped:
-            for passed in itertools.islice(batch_iter, skip):
-                self._last_batch = passed
-        if self._resume_rng is not None:  # after the skip, which may draw random numbers
-            set_rng_state(self._resume_rng)
-            self._resume_rng = None
+        # Resumed from a checkpoint written mid-epoch: the loader starts after the
+        # batches it had trained (`_resume`).
+        skip, total = self.train_loader.next_pass()
         # A run by steps counts steps of max_steps; one by epochs, the epoch's batches.
         steps = self.config.max_steps
-        progress = self._open_bar(
-            batch_iter,
-            self._epoch_name(epoch),
-            total if steps is None else steps,
-            initial=skip if steps is None else self.global_step,
-            per_step=steps is not None,
-        )
+
+        def bar(batch_iter: Iterator[Any]) -> Iterable[Any]:
+            return self._open_bar(
+                batch_iter,
+                self._epoch_name(epoch),
+                total if steps is None else steps,
+                initial=skip if steps is None else self.global_step,
+                per_step=steps is not None,
+            )
+
+        micro_batches = self.plan.micro_batches(bar)
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
         if runlog.active or self._bar is not None:
             window = _Window(device, self.ctx.world_size)
-        micro_batches = (
-            self._agreed_groups(progress, skip)
-            if self._uneven or total is None
-            else _fixed_groups(progress, self.config.accumulate, total, skip)
-        )
         start = time.perf_counter()
         whole = True
         step_count = 0  # this rank's samples in the step running
         try:
-            for batch, (num, den), step_now, position in micro_batches:
-                size_b = count_samples(batch)
-                batch = to_device(batch, device)
-                dummy = num == 0
-                if dummy:  # no data left here: take part in the step, change nothing
+            for micro in micro_batches:
+                step_now = micro.ends_step
+                size_b = count_samples(micro.batch)
+                batch = to_device(micro.batch, device)
+                if micro.stand_in:  # no data left here: take part in the step, change nothing
                     model.eval()
                 with self.strategy.skip_gradient_sync(model, not step_now):
                     with self.precision.autocast():
                         loss, _ = self._loss(model, batch)
                     # Uneven shards: the step's total over all ranks arrives while the
                     # forward runs; the backward is the first thing that needs it.
-                    step_samples = den if isinstance(den, float) else den.total()
-                    scaled = loss * num if num != 1 else loss
-                    self.precision.backward(scaled / step_samples if step_samples != 1 else scaled)
-                if dummy:
+                    self.precision.backward(micro.weighted(loss))
+                if micro.stand_in:
                     model.train()
                 else:
                     self._loss_sum.add_(loss.detach().float(), alpha=size_b)
@@ -662,13 +633,11 @@ class Trainer:
                     if window is not None:
                         window.add(loss.detach(), size_b)
                 if step_now:
-                    self.batch = position  # where a checkpoint written now resumes
+                    self.batch = micro.position  # where a checkpoint written now resumes
                     # The step's samples over all ranks: agreed on shards of unequal
                     # length (already read), else as many on every rank.
-                    if isinstance(den, _Agreement):
-                        step_count = int(den.total())
-                    else:
-                        step_count *= world
+                    agreed = micro.step_samples
+                    step_count = step_count * world if agreed is None else agreed
                     self.samples_seen += step_count
                     step_count = 0
                     self._optimizer_step(window)
@@ -689,48 +658,6 @@ class Trainer:
         total_loss, n = reduce_sums([self._loss_sum, self._count], self.ctx)
         trained = self._seen_before_epoch + int(n) - seen_at_start
         return total_loss / max(n, 1), int(n), trained, seconds, whole
-
-    def _agreed_groups(self, batch_iter: Iterable[Any], skip: int) -> Iterator[_Micro]:
-        """Micro-batches of shards whose lengths differ between ranks, or are unknown.
-
-        Before each optimizer step the ranks agree (one small all-reduce) on how many
-        samples the step has over all ranks, so that every rank steps together and the
-        gradient is the mean over exactly those samples. A rank whose data has run out
-        while others still train takes part with its last batch, weighted 0; the epoch
-        ends for every rank when no rank has data left. So the ranks' models, optimizer
-        and scheduler states stay bit-identical, and no sample is dropped.
-
-        The all-reduce starts as soon as a group is drawn, and a rank with data waits
-        for it only at the step's first backward, which needs the total: its forward
-        runs (on a GPU, is queued) meanwhile. A rank with no data left waits at once,
-        and so does every rank under FSDP with accumulation, where the number of
-        forwards (one gather each) must be known before the first.
-        """
-        k, world = self.config.accumulate, self.ctx.world_size
-        # Under FSDP every forward gathers parameters: the ranks must run as many
-        # micro-batches as each other, so each also says how many it has (one-hot).
-        lengths = k if self.strategy.shards_model and k > 1 else 0
-        batch_iter = iter(batch_iter)
-        position = skip  # in micro-batches of whole groups, the same on every rank
-        while True:
-            group = list(itertools.islice(batch_iter, k))
-            position += k
-            counts = [count_samples(b) for b in group]
-            stranded = not group and self._last_batch is None
-            have = [int(len(group) == m) for m in range(1, lengths + 1)]
-            agreed = _Agreement([sum(counts), int(stranded), *have], self._agree_group, self.epoch)
-            if (not sum(counts) or lengths) and agreed.total() == 0:
-                return  # no rank has data left
-            runs = agreed.longest(len(group)) if lengths else max(len(group), 1)
-            if group:
-                self._last_batch = group[-1]
-            for m, (batch, n) in enumerate(zip(group, counts, strict=True)):
-                # DDP averages over the ranks; this rank's part of the step's mean.
-                yield batch, (float(world * n), agreed), m == runs - 1, position
-            # No data left here (or less than another rank's): take part, change nothing
-            # (weight 0; the step's agreement, read already, says its samples).
-            for m in range(len(group), runs):
-                yield self._last_batch, (0.0, agreed), m == runs - 1, position
 
     def _optimizer_step(self, window: _Window | None) -> None:
         prec = self.precision
@@ -1063,17 +990,15 @@ class Trainer:
         self._resumed_step, self._resumed_inside = saved.step, saved.batch > 0
         if self.batch:
             self._reposition(saved.loader)
+        if self.batch:  # the loader's next pass starts after them, then restores the RNG
+            self.train_loader.resume_at(self.batch, saved.rng)
+        elif saved.rng is not None:
+            set_rng_state(saved.rng)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
         self._resume_sums(saved.extra.get("epoch_sums"))
         self.should_stop = bool(saved.extra.get("should_stop", False))
         self.best = saved.extra.get("best")
         self._judged_step = int(saved.extra.get("judged_step", -1))
-        if saved.rng is not None:
-            # Mid-epoch, the stream is restored once the trained batches are skipped.
-            self._resume_rng = saved.rng
-            if not self.batch:
-                set_rng_state(self._resume_rng)
-                self._resume_rng = None
         self.last_checkpoint = saved.path
         # Said once, by rank 0, as what happened (the skipped files are already skipped).
         skipped = f"{found.skip_note()}; " if found.skipped else ""
@@ -1251,58 +1176,6 @@ class _Window:
         self.loss.zero_()
         self.samples, self.start, self.grad_norm = 0, now, None
         return values
-
-
-class _Agreement:
-    """Counts of one step summed over all ranks: an all-reduce started at once, in CPU
-    memory (no device sync on a GPU), and waited for when a sum is first read."""
-
-    def __init__(self, counts: list[int], group: Any, epoch: int) -> None:
-        self._epoch = epoch
-        self._sums = torch.tensor(counts, dtype=torch.int64)
-        self._work: Any = dist.all_reduce(self._sums, group=group, async_op=True)
-
-    def _read(self) -> list[int]:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return [int(x) for x in self._sums.tolist()]
-
-    def total(self) -> float:
-        """The step's samples over all ranks; 0 when every rank's data has run out."""
-        step_total, any_stranded, *_ = self._read()
-        if step_total and any_stranded:
-            raise ConfigError(
-                f"a rank got no batch at all in epoch {self._epoch + 1} while others did: "
-                "each rank's share of the data (an IterableDataset or train_sampler "
-                "that shards itself) must hold at least one batch"
-            )
-        return float(step_total)
-
-    def longest(self, own: int) -> int:
-        """The most micro-batches any rank has for this step (FSDP's one-hot counts)."""
-        _, _, *have = self._read()
-        return max((m for m, c in enumerate(have, 1) if c), default=max(own, 1))
-
-
-# A micro-batch, the (numerator, denominator) its mean loss is scaled by (with uneven
-# shards the denominator is the step's agreement, read at the backward), whether the
-# optimizer steps after it, and the epoch's position (in batches) after that step.
-_Micro = tuple[Any, tuple[float, float | _Agreement], bool, int]
-
-
-def _fixed_groups(batch_iter: Iterable[Any], k: int, total: int, skip: int) -> Iterator[_Micro]:
-    """Micro-batches of equal shards of known length (`total` in the epoch, the first
-    `skip` done): every rank steps after the same batches, with no collective. A short
-    last group is averaged over its own size.
-
-    Groups of `k` are counted from where the pass starts: a resume with another batch
-    size may start in the middle of a group of the saved run's count, and its first
-    group is then a whole one, not the rest of that group at a fraction of its weight
-    (with the batch size that saved, the pass starts after a whole group anyway)."""
-    acc = Accumulation(nn.Identity(), k, total - skip)  # only counts: nothing to skip
-    for i, batch in enumerate(batch_iter):
-        yield batch, (1.0, float(acc.group_size(i))), acc.should_step(i), skip + i + 1
 
 
 def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
