@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,7 @@ LAYERS: list[tuple[str, ...]] = [
         "ddpkit.context",
         "ddpkit.userfiles",
         "ddpkit.storage",
+        "ddpkit.hashing",
         "ddpkit.collectives",
         "ddpkit.seed",
     ),
@@ -197,3 +199,27 @@ def test_no_package_shadows_a_public_name() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# One home each (issue 45): a tensor's bytes are hashed only by `ddpkit.hashing`. A
+# second copy drifts: a digest that differs between two places for equal bits.
+HASHING_HOME = "ddpkit.hashing"
+# Reading a tensor's raw bytes: in a module that uses hashlib, that is hashing a tensor.
+_TENSOR_BYTES = re.compile(r"\.view\(torch\.uint8\)|\.untyped_storage\(\)|\.numpy\(\)")
+
+
+def test_tensors_are_hashed_only_in_one_module() -> None:
+    assert HASHING_HOME in _modules()
+    wrong = []
+    for name in _modules():
+        text = _source(name).read_text()
+        if name != HASHING_HOME and "hashlib" in text and _TENSOR_BYTES.search(text):
+            wrong.append(name)
+    assert wrong == []
+
+
+def test_the_scan_finds_what_it_looks_for() -> None:
+    """The scan above, on code that does what it forbids (and on code that does not),
+    so that it cannot pass by finding nothing."""
+    assert _TENSOR_BYTES.search("hashlib.sha1(flat.view(torch.uint8).numpy())")
+    assert not _TENSOR_BYTES.search("hashlib.sha256(data).hexdigest()")

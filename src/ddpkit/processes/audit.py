@@ -28,7 +28,6 @@ the other ranks: the comparison happens in the supervisor, from the files.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import sys
@@ -114,14 +113,6 @@ def _library_frame(frame: tuple[str, int] | None) -> str:
     installed = [i for i, part in enumerate(parts) if part in _INSTALLED]
     shown = "/".join(parts[installed[-1] + 1 :]) if installed else _shown(path)
     return f"{shown}:{line}"
-
-
-def _tensor_digest(tensor: Any) -> str:
-    """sha1 of a tensor's bytes, read through a zero-copy view (on the CPU)."""
-    import torch
-
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return hashlib.sha1(flat.view(torch.uint8).numpy()).hexdigest()
 
 
 @dataclass
@@ -269,8 +260,10 @@ class _Recorder:
         """The stepped parameters' digests, once training is over. Sharded parameters
         (FSDP's: DTensors, flat parameters and the views into them) are left out: each
         rank holds its own shard by design."""
+        from ddpkit.hashing import tensor_digest  # imports torch: here, as every use does
+
         self.digests = [
-            [_tensor_digest(p) for p in opt.params if not _sharded(p)]
+            [tensor_digest(p) for p in opt.params if not _sharded(p)]
             for opt in self.optimizers.values()
         ]
         # Now, while the parameters are held (see the hook on destroy_process_group).
