@@ -394,12 +394,12 @@ def sharded_cost(model: nn.Module, ctx: DistContext) -> Cost:
     """The sharded save of `model` (already sharded with FSDP on this rank's group)."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from ddpkit.checkpoint.sharded import tensors_of
+    from ddpkit.parallel.fsdp import sharded_state
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # after sharding
     # What Trainer.save hands to both writers: every rank's shards of model and
     # optimizer, and (rank 0's) training state, which ddpkit writes beside them.
-    shards = tensors_of(model, optimizer)
+    shards = sharded_state(model, optimizer)
     rest = {"epoch": 0, "global_step": 1}
 
     def ours(folder: Path) -> Callable[[], object]:

@@ -43,7 +43,8 @@ from torch import nn
 from ddpkit.checkpoint import sharded
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
-from ddpkit.parallel.model import strip_prefixes, unwrap
+from ddpkit.parallel.model import load_model_state as load_model_state  # its home; named here too
+from ddpkit.parallel.model import model_class_name, strip_prefixes, unwrap
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
     PENDING,
@@ -261,7 +262,7 @@ def save_checkpoint(
         keep_last: keep only the newest this many checkpoints, this one included (None:
             keep all); the older ones are deleted once this one is on disk.
         shards: tensors that every rank writes its own part of (a sharded model's and
-            optimizer's state, from `sharded.tensors_of`): the checkpoint is then the
+            optimizer's state, from `Strategy.checkpoint_tensors`): the checkpoint is then the
             folder `ckpt-<step>.dcp` (see `ddpkit.checkpoint.sharded`).
 
     Returns:
@@ -333,7 +334,7 @@ def _shards_problem(shards: Any) -> str | None:
         return None
     return (
         "save_checkpoint's shards have no 'model' entry, so the checkpoint could not be "
-        "resumed from: pass shards=sharded.tensors_of(model, optimizer)"
+        "resumed from: pass the shards of Strategy.of(model, ctx).checkpoint_tensors"
     )
 
 
@@ -522,18 +523,6 @@ def check_same_model(model: nn.Module, state: dict[str, Any], path: str | os.Pat
         f"{model_fingerprint(bare.state_dict())[:12]}): give each job its own "
         "--checkpoint-dir, or drop --resume to start from scratch"
     )
-
-
-def model_class_name(model: nn.Module) -> str:
-    """The class of the bare `model`, as a person would import it ("torch.nn.Linear",
-    "mypackage.nets.ResNet"); of a model sharded with FSDP, the class it was built as."""
-    cls = type(unwrap(model))
-    # fully_shard gives the model a class of its own (FSDPNet: FSDPModule and Net).
-    cls = next(c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.fsdp"))
-    module = cls.__module__
-    if module.startswith("torch.nn.modules."):  # torch.nn.modules.linear.Linear
-        module = "torch.nn"
-    return f"{module}.{cls.__qualname__}"
 
 
 def lock_folder(directory: str | os.PathLike[str], ctx: DistContext) -> FolderLock | None:
@@ -899,8 +888,3 @@ def find_checkpoint(where: str | os.PathLike[str], ctx: DistContext) -> Found | 
         )
     found.path = path
     return found
-
-
-def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a model state dict, with or without DDP's `module.` prefixes, into `model`."""
-    unwrap(model).load_state_dict(strip_prefixes(state))

@@ -8,7 +8,8 @@ finished, so a crash never leaves a half-written `ckpt-*.dcp`; one that is repla
 pruned leaves its name by a rename too, before it is deleted (see `storage.install`).
 A folder damaged some other way (a shard missing or cut short) is told apart by
 `damage`, which checks it against its `.metadata`. A sharded checkpoint loads on any
-number of ranks (DCP reshards), one process included.
+number of ranks (DCP reshards), one process included. What goes into the shards and how
+it is put back is the strategy's (`Strategy.checkpoint_tensors`, `load_checkpoint_tensors`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
 
 from ddpkit.context import DistContext
 from ddpkit.storage import fsync_folder, host_token, install, this_process
@@ -26,15 +26,6 @@ from ddpkit.storage import fsync_folder, host_token, install, this_process
 META = "meta.pt"
 SUFFIX = ".dcp"
 INDEX = ".metadata"  # DCP's own: where each item of each rank lies in which shard file
-
-
-def tensors_of(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The model's and optimizer's state, keyed by parameter name (sharded under FSDP)."""
-    # Imported here, as FSDP is (see fsdp.as_sharded): a DDP job never pays for it.
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optim_state}
 
 
 def write_shards(tensors: dict[str, Any], path: Path, ctx: DistContext) -> Path:
@@ -105,19 +96,3 @@ def damage(path: Path) -> str | None:
         if size < end:
             return f"shard {name} is cut short ({size:,} of {end:,} bytes)"
     return None
-
-
-def load_shards(path: Path, model: nn.Module, optimizer: Any) -> None:
-    """Load the model's and optimizer's state from the sharded checkpoint `path`, on any
-    number of ranks. A collective."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    tensors = tensors_of(model, optimizer)
-    dcp_load(tensors, checkpoint_id=path)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=tensors["model"],
-        optim_state_dict=tensors["optimizer"],
-    )

@@ -66,17 +66,13 @@ from ddpkit.checkpoint.pt import (
     Found,
     check_same_model,
     find_checkpoint,
-    load_model_state,
-    model_class_name,
     save_checkpoint,
 )
-from ddpkit.checkpoint.sharded import load_shards, tensors_of
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.parallel.batches import to_device
 from ddpkit.parallel.data import DistributedLoader
-from ddpkit.parallel.fsdp import as_sharded
-from ddpkit.parallel.model import sync_buffers, unwrap
+from ddpkit.parallel.model import model_class_name, sync_buffers, unwrap
 from ddpkit.parallel.strategy import Strategy
 from ddpkit.seed import set_rng_state
 
@@ -162,9 +158,9 @@ def save_state(
     for key, value in extra.items():
         _check_loadable(value, f"extra[{key!r}]")
     sync_buffers(model, ctx)  # the file holds rank 0's buffers; so does every rank now
-    # Sharded: every rank writes its own part of model and optimizer, and the rest of
-    # the state goes beside them.
-    shards = tensors_of(model, optimizer) if Strategy.of(model, ctx).shards_checkpoints else None
+    # The strategy says where the model and optimizer go: into rank 0's file, or (sharded)
+    # every rank writes its own part and the rest of the state goes beside them.
+    tensors, shards = Strategy.of(model, ctx).checkpoint_tensors(model, optimizer)
     state: dict[str, Any] = {}
     if ctx.is_main:  # only rank 0's state is written; the others need not build theirs
         state = checkpoint_state(
@@ -178,8 +174,9 @@ def save_state(
             batch=batch,
             step=step,
             extra=extra,
-            tensors=shards is None,
+            tensors=False,
         )
+        state.update(tensors)
     # save_checkpoint gathers every rank's RNG streams into the file.
     return save_checkpoint(state, directory, ctx, step=step, keep_last=keep_last, shards=shards)
 
@@ -330,13 +327,8 @@ def restore(
     """Load the checkpoint that `find_checkpoint` found into the model, optimizer,
     scheduler and scaler, and say where its loop was. Call it on every rank."""
     where, state = found.path, found.state
-    # A sharded checkpoint keeps the model and optimizer in its shards, not in the meta file.
-    no_optimizer = "optimizer" not in state and not state.get("sharded")
-    if no_optimizer or "global_step" not in state or "epoch" not in state:
-        raise CheckpointError(
-            f"{where} was not written by save_state (no optimizer state or position): "
-            "pass a file that save_state or Trainer wrote"
-        )
+    if "global_step" not in state or "epoch" not in state:
+        raise CheckpointError(_NOT_OURS.format(path=where))
     _restore_parts(where, state, model, optimizer, scheduler, scaler, ctx)
     rngs = state.get("rng") or []
     mine: dict[str, Any] | None = None
@@ -373,10 +365,7 @@ def _restore_parts(
 ) -> None:
     """Load the states into their objects. Every rank loads the same file into the
     same objects, so a mismatch raises on every rank alike."""
-    if state.get("sharded"):
-        _load_sharded(path, state, model, optimizer)
-    else:
-        _load_whole(path, state, model, optimizer)
+    Strategy.of(model, ctx).load_checkpoint_tensors(path, state, model, optimizer, _check_whole)
     for name, part in (("scheduler", scheduler), ("scaler", scaler)):
         if part is None:
             continue
@@ -387,49 +376,19 @@ def _restore_parts(
         part.load_state_dict(state[name])
 
 
-def _load_sharded(
-    path: Path, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """Every rank reads its part of the shards (on any number of ranks: a collective)."""
-    # Imported here, as load_shards imports DCP: a loop that never shards never pays for it.
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        load_shards(path, model, optimizer)
-    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-        # DCP raises the same exception on every rank, holding each rank's own error.
-        cause: BaseException = exc
-        if isinstance(exc, CheckpointException) and exc.failures:
-            cause = next(iter(exc.failures.values()))[0]
-        written = state.get("model_class") or "another model"
-        first = str(cause).strip().splitlines()[0].rstrip(":") if str(cause).strip() else ""
-        raise CheckpointError(
-            f"{path} holds the sharded state of {written}, which does not fit this job's "
-            f"model {model_class_name(model)} or its optimizer "
-            f"({type(cause).__name__}: {first}): give each model its own folder, and build "
-            "the optimizer as the run that saved it did"
-        ) from None
+_NOT_OURS = (
+    "{path} was not written by save_state (no optimizer state or position): "
+    "pass a file that save_state or Trainer wrote"
+)
 
 
-def _load_whole(
-    path: Path, state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
-) -> None:
-    """Every rank loads the whole state of one file."""
-    if as_sharded(model) is not None:
-        raise CheckpointError(
-            f"{path} holds the whole state of a model that was not sharded, and this "
-            "model is sharded (strategy fsdp): resume it as it was saved (strategy ddp, "
-            "or one process), or start the sharded run afresh in another folder"
-        )
+def _check_whole(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """Raise CheckpointError unless the whole (not sharded) checkpoint `path` holds an
+    optimizer state and the tensors of `model` (a sharded one keeps both in its shards,
+    which its load checks)."""
+    if "optimizer" not in state:
+        raise CheckpointError(_NOT_OURS.format(path=path))
     check_same_model(model, state, path)  # one line naming both models
-    load_model_state(model, state["model"])
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"{path} holds an optimizer state that does not fit this optimizer ({exc}): "
-            "build the optimizer as the run that saved it did"
-        ) from None
 
 
 # -- the loader's position ---------------------------------------------------------------

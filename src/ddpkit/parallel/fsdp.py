@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,32 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
     else `tensor` itself."""
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
+
+
+def sharded_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The model's and optimizer's state, keyed by parameter name, each rank holding its
+    shards (what every rank writes its own part of in a sharded checkpoint)."""
+    # Imported here, as FSDP is (see as_sharded): a DDP job never pays for DCP.
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def load_sharded_state(path: Path, model: nn.Module, optimizer: Any) -> None:
+    """Load the model's and optimizer's state from the DCP folder `path`, on any number
+    of ranks (DCP reshards). A collective."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    tensors = sharded_state(model, optimizer)
+    dcp_load(tensors, checkpoint_id=path)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=tensors["model"],
+        optim_state_dict=tensors["optimizer"],
+    )
 
 
 def cpu_supported() -> bool:

@@ -59,3 +59,20 @@ def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             key = key.split(".", 1)[1]
         out[key] = value
     return out
+
+
+def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a model state dict, with or without DDP's `module.` prefixes, into `model`."""
+    unwrap(model).load_state_dict(strip_prefixes(state))
+
+
+def model_class_name(model: nn.Module) -> str:
+    """The class of the bare `model`, as a person would import it ("torch.nn.Linear",
+    "mypackage.nets.ResNet"); of a model sharded with FSDP, the class it was built as."""
+    cls = type(unwrap(model))
+    # fully_shard gives the model a class of its own (FSDPNet: FSDPModule and Net).
+    cls = next(c for c in cls.__mro__ if not c.__module__.startswith("torch.distributed.fsdp"))
+    module = cls.__module__
+    if module.startswith("torch.nn.modules."):  # torch.nn.modules.linear.Linear
+        module = "torch.nn"
+    return f"{module}.{cls.__qualname__}"

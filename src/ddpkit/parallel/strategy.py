@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,10 +21,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
-from ddpkit.errors import ConfigError
+from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.parallel.compression import bf16_allreduce_hook
-from ddpkit.parallel.fsdp import as_sharded, gathered
-from ddpkit.parallel.model import sync_buffers, unwrap
+from ddpkit.parallel.fsdp import as_sharded, gathered, load_sharded_state, sharded_state
+from ddpkit.parallel.model import load_model_state, model_class_name, sync_buffers, unwrap
 from ddpkit.parallel.sync import no_backward_sync
 from ddpkit.parallel.watch import watcher
 from ddpkit.processes.preemption import ddpkit_job
@@ -218,9 +220,91 @@ class Strategy:
             return _NOTHING  # every step of a run on one process: nothing to skip
         return no_backward_sync(model)
 
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state dict with whole tensors (what a digest or a
+        comparison of ranks reads): shards are gathered, a collective under "fsdp"."""
+        return {k: self.whole(v) for k, v in unwrap(model).state_dict().items()}
+
+    # -- checkpoints: the checkpoint layer owns the files (a `.pt` file, a `.dcp`
+    # folder, atomic writes); the strategy says what goes in them and puts it back.
+    def checkpoint_tensors(
+        self, model: nn.Module, optimizer: Any
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The model's and optimizer's state for a checkpoint: (the entries of rank 0's
+        file, the tensors every rank writes its own part of, or None). Under "fsdp" the
+        file only says `sharded` and the state is in the shards, so it loads on any
+        number of ranks; under "ddp" the file holds the bare model's state dict."""
+        if self.shards_checkpoints:
+            return {"sharded": True}, sharded_state(model, optimizer)
+        return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}, None
+
+    def check_resume(self, path: Path, state: dict[str, Any]) -> None:
+        """Raise CheckpointError unless checkpoint `path` (its file's `state`) was written
+        under this strategy, as a Trainer resume needs."""
+        written = "fsdp" if state.get("sharded") else "ddp"
+        if (written == "fsdp") != self.shards_checkpoints:
+            raise CheckpointError(
+                f"{path} was written with strategy {written} and this run uses "
+                f"{self.name}: resume with the same --strategy"
+            )
+
+    def load_checkpoint_tensors(
+        self,
+        path: Path,
+        state: dict[str, Any],
+        model: nn.Module,
+        optimizer: Any,
+        check_whole: Callable[[nn.Module, dict[str, Any], Path], None],
+    ) -> None:
+        """Put checkpoint `path`'s model and optimizer state (its file's `state`) back,
+        on every rank alike. A sharded one is read from its shards (a collective, on
+        any number of ranks); a whole one is first passed to `check_whole` (the
+        checkpoint layer's check that it holds this model), and refused by a sharded
+        model."""
+        if state.get("sharded"):
+            _load_shards(path, state, model, optimizer)
+            return
+        if self.shards_model:
+            raise CheckpointError(
+                f"{path} holds the whole state of a model that was not sharded, and this "
+                "model is sharded (strategy fsdp): resume it as it was saved (strategy ddp, "
+                "or one process), or start the sharded run afresh in another folder"
+            )
+        check_whole(model, state, path)  # one line naming both models
+        load_model_state(model, state["model"])
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(
+                f"{path} holds an optimizer state that does not fit this optimizer ({exc}): "
+                "build the optimizer as the run that saved it did"
+            ) from None
+
     @staticmethod
     def of(model: nn.Module, ctx: DistContext) -> Strategy:
         """The strategy `prepare_model` gave `model` ("ddp" for a model it never saw)."""
         named = getattr(unwrap(model), _MARK, None)
         sharded = as_sharded(model) is not None or named == "fsdp"
         return Strategy("fsdp" if sharded else "ddp", ctx)
+
+
+def _load_shards(path: Path, state: dict[str, Any], model: nn.Module, optimizer: Any) -> None:
+    """Every rank reads its part of the shards (on any number of ranks: a collective)."""
+    # Imported here, as DCP is: a loop that never shards never pays for it.
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        load_sharded_state(path, model, optimizer)
+    except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
+        # DCP raises the same exception on every rank, holding each rank's own error.
+        cause: BaseException = exc
+        if isinstance(exc, CheckpointException) and exc.failures:
+            cause = next(iter(exc.failures.values()))[0]
+        written = state.get("model_class") or "another model"
+        first = str(cause).strip().splitlines()[0].rstrip(":") if str(cause).strip() else ""
+        raise CheckpointError(
+            f"{path} holds the sharded state of {written}, which does not fit this job's "
+            f"model {model_class_name(model)} or its optimizer "
+            f"({type(cause).__name__}: {first}): give each model its own folder, and build "
+            "the optimizer as the run that saved it did"
+        ) from None

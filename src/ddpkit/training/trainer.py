@@ -967,12 +967,7 @@ class Trainer:
         if found is None:
             self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
             return
-        if bool(found.state.get("sharded")) != self.strategy.shards_checkpoints:
-            raise CheckpointError(
-                f"{found.path} was written with strategy "
-                f"{'fsdp' if found.state.get('sharded') else 'ddp'} and this run uses "
-                f"{self.strategy.name}: resume with the same --strategy"
-            )
+        self.strategy.check_resume(found.path, found.state)
         saved = restore(
             found,
             self.ctx,
