@@ -82,21 +82,7 @@ def run_script(
     """
     single, host, local = opts.nnodes == 1, opts.store_host, opts.local
     nproc = int(opts.nprocs)
-    store: Any = None
-    if opts.node_rank == 0:
-        # Node 0 serves the rendezvous itself, bound to the one address it was given.
-        try:
-            store = serve_store(host, 0 if single else opts.master_port)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot serve the rendezvous on {host}:{opts.master_port} ({exc.strerror}): "
-                "on node 0, --master-addr must be an address of this machine and "
-                "--master-port a free port"
-            ) from None
-        port = store.port
-    else:
-        port = opts.master_port
-        _wait_for_master(host, port, opts.rdzv_timeout)
+    store, port = _rendezvous(opts)
     _patch_agent_store(loopback=local)
     _note_agent_stops()
     _no_restart_after_preemption()
@@ -133,18 +119,7 @@ def run_script(
     os.environ.update(env)
     if _QUIET_CPP_LOG:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
-    run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
-    torchrun_args = [
-        *("--nnodes", str(opts.nnodes), "--nproc-per-node", str(nproc)),
-        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id),
-        *("--rdzv-conf", f"is_host=false,join_timeout={int(opts.rdzv_timeout)}"),
-        *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
-        *("--log-dir", str(status / "torchelastic")),  # else torch leaves one in $TMPDIR
-        *(["--local-addr", LOOPBACK] if local else []),
-        # "--": what follows is the workers' command, never torchrun's options (argparse
-        # would take an abbreviation such as --nproc in it for one of its own).
-        *("--module", "--", "ddpkit.processes.shim", *command),
-    ]
+    torchrun_args = _torchrun_args(command, opts, port, status)
     try:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
         if not single:
@@ -172,6 +147,42 @@ def run_script(
             on_audit(audit_findings(_latest_attempt(status)))
         shutil.rmtree(status, ignore_errors=True)
         del store
+
+
+def _rendezvous(opts: LaunchConfig) -> tuple[Any, int]:
+    """The store this node serves (node 0; else None) and the rendezvous port, once
+    node 0 accepts connections."""
+    host = opts.store_host
+    if opts.node_rank != 0:
+        _wait_for_master(host, opts.master_port, opts.rdzv_timeout)
+        return None, opts.master_port
+    # Node 0 serves the rendezvous itself, bound to the one address it was given.
+    try:
+        store = serve_store(host, 0 if opts.nnodes == 1 else opts.master_port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot serve the rendezvous on {host}:{opts.master_port} ({exc.strerror}): "
+            "on node 0, --master-addr must be an address of this machine and "
+            "--master-port a free port"
+        ) from None
+    return store, store.port
+
+
+def _torchrun_args(command: list[str], opts: LaunchConfig, port: int, status: Path) -> list[str]:
+    """torchrun's command line: its agent runs `command` in ddpkit's shim on each worker."""
+    single, host = opts.nnodes == 1, opts.store_host
+    run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
+    return [
+        *("--nnodes", str(opts.nnodes), "--nproc-per-node", str(int(opts.nprocs))),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-id", run_id),
+        *("--rdzv-conf", f"is_host=false,join_timeout={int(opts.rdzv_timeout)}"),
+        *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
+        *("--log-dir", str(status / "torchelastic")),  # else torch leaves one in $TMPDIR
+        *(["--local-addr", LOOPBACK] if opts.local else []),
+        # "--": what follows is the workers' command, never torchrun's options (argparse
+        # would take an abbreviation such as --nproc in it for one of its own).
+        *("--module", "--", "ddpkit.processes.shim", *command),
+    ]
 
 
 def _wait_for_master(host: str, port: int, timeout_s: float) -> None:
