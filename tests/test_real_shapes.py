@@ -144,6 +144,7 @@ def test_a_script_that_spawns_its_own_ranks_runs_under_run(tmp_path: Path) -> No
     _ranks_agree(tmp_path / "spawned-rank0.pt", tmp_path / "spawned-rank1.pt")
 
 
+@pytest.mark.slow
 def test_an_accuracy_pass_over_the_training_loader_is_not_a_repeated_epoch(
     tmp_path: Path,
 ) -> None:
