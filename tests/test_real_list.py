@@ -180,3 +180,15 @@ def test_tiny_data_is_generated(tmp_path: Path) -> None:
     assert (tmp_path / "m" / "train-images-idx3-ubyte").stat().st_size == 16 + 3 * 784
     with pytest.raises(ValueError, match="unknown setup kind"):
         b.make_data(tmp_path, {"kind": "video", "dir": "v"})
+
+
+def test_scripts_without_their_files_are_skipped_in_one_line_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = _bench().main(
+        ["--only", "nanogpt,dino", "--work", str(tmp_path / "w"), "--out", str(tmp_path / "o")]
+    )
+    assert code == 0
+    printed = capsys.readouterr().out.splitlines()
+    skipped = [line for line in printed if line.startswith("skipped ")]
+    assert len(skipped) == 2 and all("files absent" in line for line in skipped)
