@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from ddpkit import hashing
+from ddpkit.context import DistContext
 from ddpkit.parallel.fsdp import gathered
-from ddpkit.parallel.model import unwrap
+from ddpkit.parallel.strategy import Strategy
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -30,8 +31,9 @@ def model_digest(model: nn.Module) -> str:
     whether or not they are wrapped in DDP or `torch.compile`. A model sharded with
     FSDP is gathered first: call it on every rank then.
     """
-    state = unwrap(model).state_dict()
-    return hashing.tensors_digest((key, gathered(tensor)) for key, tensor in state.items())
+    # The strategy's view of the model: whole tensors, whatever it shards.
+    full = Strategy.of(model, DistContext.current()).full_state(model)
+    return hashing.tensors_digest(full.items())
 
 
 def state_digest(state: Any) -> str:

@@ -703,6 +703,26 @@ def load_checkpoint(path: str | os.PathLike[str], ctx: DistContext) -> dict[str,
         raise CheckpointError(str(exc)) from None
 
 
+def model_weights(
+    path: str | os.PathLike[str], ctx: DistContext, *, scratch: Path | None = None, fix: str
+) -> dict[str, Any]:
+    """The whole model of one checkpoint, its tensors on the CPU, read by this process
+    alone (no collective): a one-file checkpoint's "model"; a sharded one's shards
+    joined (`sharded.joined_model`, through a temporary file in `scratch`).
+
+    Raises:
+        CheckpointError: the checkpoint is damaged or cannot be read (for a sharded one,
+            the line ends with `fix`), as `load_checkpoint` says.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return dict(load_checkpoint(path, ctx)["model"])
+    problem = sharded.damage(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged ({problem}): {fix}")
+    return sharded.joined_model(path, scratch, fix)
+
+
 @dataclass
 class Found:
     """The checkpoint to resume from: its `path`, its `state` as loaded, and the newer

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddpkit.context import DistContext
+from ddpkit.errors import CheckpointError
 from ddpkit.storage import fsync_folder, host_token, install, this_process
 
 META = "meta.pt"
@@ -96,3 +97,32 @@ def damage(path: Path) -> str | None:
         if size < end:
             return f"shard {name} is cut short ({size:,} of {end:,} bytes)"
     return None
+
+
+def joined_model(folder: Path, scratch: Path | None, fix: str) -> dict[str, Any]:
+    """The whole model of the sharded checkpoint `folder`, its shards joined in this
+    process alone (no process group), through a temporary file in `scratch` (None: the
+    system's). Bytes that cannot be read raise CheckpointError naming the folder and
+    ending with `fix`."""
+    # Imported here, as DCP is elsewhere: a job that never shards never pays for it.
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        joined = Path(tmp, "joined.pt")
+        # Reached when the sizes are right and the bytes are not (`damage` checks the
+        # sizes). DCP's own error is a BaseException that holds each rank's error (here
+        # the one rank's).
+        try:
+            dcp_to_torch_save(folder, joined)
+            state = torch.load(joined, map_location="cpu", weights_only=True)
+        except (Exception, CheckpointException) as exc:
+            cause: BaseException = exc
+            if isinstance(exc, CheckpointException) and exc.failures:
+                cause = next(iter(exc.failures.values()))[0]
+            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            raise CheckpointError(
+                f"checkpoint {folder} cannot be read ({type(cause).__name__}: {first}): {fix}"
+            ) from None
+    return dict(state["model"])

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.errors import ConfigError
 from ddpkit.userfiles import kind_of
 
 HELP = "write a checkpoint's model weights as one file (also from a sharded checkpoint)"
@@ -30,8 +30,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ddpkit.checkpoint.pt import atomic_save, find_checkpoint, load_checkpoint
-    from ddpkit.checkpoint.sharded import damage
+    from ddpkit.checkpoint.pt import atomic_save, find_checkpoint, model_weights, names_one
     from ddpkit.context import DistContext
     from ddpkit.parallel.model import strip_prefixes
 
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             f"checkpoint {source} is not a regular file ({kind}): pass a ckpt-*.pt file, "
             "a ckpt-*.dcp folder or a checkpoint folder"
         )
-    if source.is_dir() and source.suffix != ".dcp":
+    if not names_one(source):  # a checkpoint folder: its newest intact checkpoint
         found = find_checkpoint(source, ctx)  # skips damaged ones, as a resume does
         if found is None:
             raise ConfigError(f"no checkpoint in {source}: pass a folder that holds ckpt-* files")
@@ -54,43 +53,9 @@ def run(args: argparse.Namespace) -> int:
         source = found.path
     if out.is_dir():
         raise ConfigError(f"{out} is a folder: pass a file name, e.g. {out / 'model.pt'}")
-    if source.is_dir():
-        problem = damage(source)
-        if problem is not None:
-            raise CheckpointError(
-                f"checkpoint {source} is damaged ({problem}): export an intact one; "
-                f"`ddpkit export {source.parent} {out}` picks the newest"
-            )
-        model = _gather_model(source, out)
-    else:
-        model = load_checkpoint(source, ctx)["model"]
+    fix = f"export an intact one; `ddpkit export {source.parent} {out}` picks the newest"
+    scratch = out.parent if out.parent.exists() else None  # where the joined file fits
+    model = model_weights(source, ctx, scratch=scratch, fix=fix)
     atomic_save(strip_prefixes(model), out)
     print(f"wrote {out}: {len(model)} tensors of {source.name}", flush=True)
     return 0
-
-
-def _gather_model(folder: Path, out: Path) -> dict[str, Any]:
-    """The whole model of a sharded checkpoint (its shards joined in this process)."""
-    import tempfile
-
-    import torch
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
-        joined = Path(tmp, "joined.pt")
-        # Reached when the sizes are right and the bytes are not. DCP's own error is a
-        # BaseException that holds each rank's error (here the one rank's).
-        try:
-            dcp_to_torch_save(folder, joined)
-            state = torch.load(joined, map_location="cpu", weights_only=True)
-        except (Exception, CheckpointException) as exc:
-            cause: BaseException = exc
-            if isinstance(exc, CheckpointException) and exc.failures:
-                cause = next(iter(exc.failures.values()))[0]
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-            raise CheckpointError(
-                f"checkpoint {folder} cannot be read ({type(cause).__name__}: {first}): "
-                f"export an intact one; `ddpkit export {folder.parent} {out}` picks the newest"
-            ) from None
-    return dict(state["model"])

@@ -20,7 +20,7 @@ from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.batches import map_tensors
 from ddpkit.parallel.fsdp import gathered
-from ddpkit.parallel.model import unwrap
+from ddpkit.parallel.strategy import Strategy
 from ddpkit.processes.machine import under_torchrun
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import Job, JobRef, build_job
@@ -233,12 +233,13 @@ def fit(trainer: Trainer) -> None:
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """A copy on the CPU of the unwrapped model's state dict; a sharded model's shards
     are gathered (a collective: every rank calls it)."""
-    return {k: whole(v) for k, v in unwrap(model).state_dict().items()}
+    full = Strategy.of(model, DistContext.current()).full_state(model)
+    return {k: v.detach().cpu().clone() for k, v in full.items()}
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy on the CPU of `tensor`; of a shard (FSDP's DTensor), the whole tensor (a
-    collective)."""
+    """A copy on the CPU of `tensor`; of a shard (FSDP's DTensor, in an optimizer's
+    state too), the whole tensor (a collective)."""
     return gathered(tensor).detach().cpu().clone()
 
 
