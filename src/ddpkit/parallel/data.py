@@ -452,29 +452,25 @@ def prepare_loader(
 ) -> DistributedLoader:
     """A DataLoader that gives this rank its share of `dataset`.
 
-    `dataset` may also be the DataLoader of a one-GPU script: it is rebuilt to shard its
-    dataset, keeping its batch size, `num_workers`, `collate_fn`, `pin_memory`,
-    `worker_init_fn`, `persistent_workers`, `prefetch_factor`, `drop_last`, `timeout`,
-    `multiprocessing_context`, `in_order`, `pin_memory_device` and whether it shuffles (a
-    RandomSampler); a RandomSampler's `num_samples` and `replacement` are kept too
-    (`DrawnSampler`: each epoch draws as many, seeded by `seed` and the epoch, and the
-    ranks share the draws). The other arguments here are then ignored, except
-    `evaluation`, `seed` and a `batch_size` or `shuffle` that you pass, which win.
-    A DataLoader over an IterableDataset is dealt out a batch at a time: every rank
-    reads the whole stream, and rank r keeps the loader's batches r, r + W, r + 2W, ...
-    of W ranks (with workers, of each worker's batches), so batches stay whole and the
-    ranks together get what the loader gave one process; shares may differ by a batch
-    (Trainer handles that). An IterableDataset that shards itself by rank goes in by
-    itself, not in a DataLoader, or it would be sharded twice.
-
     Training (the default) shuffles with a DistributedSampler seeded alike on every
     rank, so the ranks see disjoint shards of one permutation. Call
     `loader.set_epoch(epoch)` before each epoch (Trainer does), or every epoch repeats
     the same order. A `TensorDataset` is fetched a batch at a time (the same batches
     as the per-sample default, with less work).
 
+    `dataset` may also be the DataLoader of a one-GPU script: it is rebuilt to shard its
+    dataset with the loader's options and order, as the exactness notes list (a
+    DataLoader over an IterableDataset is dealt out a batch at a time); `evaluation`,
+    `seed`, and a `batch_size` or `shuffle` that you pass win, the rest is ignored.
+
+    `collate_fn`, `worker_init_fn` (called once torch has seeded the worker's Python,
+    NumPy and torch RNGs; ddpkit seeds them again before each sample), `timeout`,
+    `in_order`, with workers `persistent_workers`, `prefetch_factor` and
+    `multiprocessing_context`, and with pinning `pin_memory_device`, are DataLoader's.
+
     Args:
-        dataset: a map-style dataset, or an IterableDataset that shards itself by rank.
+        dataset: a map-style dataset, or an IterableDataset that shards itself by rank
+            (by itself: in a DataLoader it would be sharded twice).
         ctx: this rank's `DistContext` (default: `DistContext.current()`).
         batch_size: samples per rank; the global batch is `batch_size * world_size`.
         shuffle: shuffle the training order (default: True for training; not allowed
@@ -488,19 +484,9 @@ def prepare_loader(
         sampler: your own sampler, used instead of ddpkit's; it must shard by itself.
         num_workers: data-loading processes per rank; each is seeded reproducibly.
         pin_memory: pin batches for faster copies to the GPU (default: on GPUs, unless
-            the dataset's first sample is already on a GPU; only CPU tensors can be
-            pinned). Only GPU ranks pin: on a CPU rank there is no copy to speed up,
-            so True (yours, or that of the DataLoader you pass) is dropped there,
-            without torch's warning from every rank.
-        collate_fn: how samples become a batch (DataLoader's default if None).
-        worker_init_fn: called in each worker when it starts (torch has seeded its
-            Python, NumPy and torch RNGs; ddpkit also seeds them before each sample).
-        persistent_workers: keep the workers alive between epochs.
-        prefetch_factor: batches each worker loads ahead (DataLoader's default if None).
-        timeout: seconds to wait for a batch from the workers, as DataLoader's.
-        multiprocessing_context: how the workers start, as DataLoader's (with workers only).
-        in_order: as DataLoader's: False lets workers hand batches back out of order.
-        pin_memory_device: the device to pin memory for, as DataLoader's (with pinning only).
+            the dataset's first sample is already on a GPU). A CPU rank never pins: True
+            (yours, or that of the DataLoader you pass) is dropped there, without
+            torch's warning from every rank.
 
     Returns:
         A `DataLoader` with a `set_epoch(epoch)` method.
@@ -511,31 +497,91 @@ def prepare_loader(
     ddpkit_job()  # under ddpkit run, a stop signal before the first step ends it with 75
     ctx = ctx or DistContext.current()
     if isinstance(dataset, DataLoader):
-        kept = _kept_options(dataset, batch_size, shuffle, evaluation)
-        inner = dataset.dataset
-        draws = kept.pop("draws", None)
-        if draws is not None:  # the loader's RandomSampler(num_samples, replacement)
-            num_samples, drawn_with_replacement = draws
-            kept["sampler"] = DrawnSampler(
-                inner,
-                ctx.world_size,
-                ctx.rank,
-                seed=seed,
-                drop_last=kept["drop_last"],
-                num_samples=num_samples,
-                replacement=drawn_with_replacement or replacement,
-            )
-            replacement = False  # the sampler draws
-        if (
-            isinstance(inner, IterableDataset)
-            and not isinstance(inner, _DealtStream)  # a loader of ours: dealt already
-            and ctx.world_size > 1
-        ):
-            # The script's stream knows nothing of ranks: each rank takes its batches.
-            inner = _DealtStream(inner, kept["batch_size"], ctx.rank, ctx.world_size)
-        return prepare_loader(
-            inner, ctx, **kept, evaluation=evaluation, replacement=replacement, seed=seed
+        return _reshard(dataset, ctx, batch_size, shuffle, evaluation, replacement, seed)
+    batch_size = _check_request(
+        dataset, ctx, batch_size, num_workers, sampler, shuffle, evaluation, replacement
+    )
+    if sampler is None and not isinstance(dataset, IterableDataset):
+        sampler = _our_sampler(dataset, ctx, evaluation, replacement, shuffle, seed, drop_last)
+    dataset, sampler, batch_size, num_workers = _as_verify_sees(
+        dataset, sampler, batch_size, num_workers, evaluation
+    )
+    return _loader(
+        dataset,
+        ctx,
+        sampler,
+        evaluation=evaluation,
+        seed=seed,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        collate_fn=collate_fn,
+        worker_init_fn=worker_init_fn,
+        persistent_workers=persistent_workers,
+        prefetch_factor=prefetch_factor,
+        timeout=timeout,
+        multiprocessing_context=multiprocessing_context,
+        in_order=in_order,
+        pin_memory_device=pin_memory_device,
+    )
+
+
+def _reshard(
+    loader: DataLoader[Any],
+    ctx: DistContext,
+    batch_size: int | None,
+    shuffle: bool | None,
+    evaluation: bool,
+    replacement: bool,
+    seed: int,
+) -> DistributedLoader:
+    """`prepare_loader` of a one-GPU script's DataLoader: its dataset, sharded, with the
+    loader's options (see `_kept_options`). A RandomSampler's draws become a
+    `DrawnSampler` (each epoch draws as many, seeded by `seed` and the epoch, and the
+    ranks share the draws). A stream is dealt out: every rank reads the whole of it and
+    rank r keeps the loader's batches r, r + W, r + 2W, ... of W ranks (with workers,
+    of each worker's batches), so batches stay whole and the ranks together get what
+    the loader gave one process; shares may differ by a batch."""
+    kept = _kept_options(loader, batch_size, shuffle, evaluation)
+    inner = loader.dataset
+    draws = kept.pop("draws", None)
+    if draws is not None:  # the loader's RandomSampler(num_samples, replacement)
+        num_samples, drawn_with_replacement = draws
+        kept["sampler"] = DrawnSampler(
+            inner,
+            ctx.world_size,
+            ctx.rank,
+            seed=seed,
+            drop_last=kept["drop_last"],
+            num_samples=num_samples,
+            replacement=drawn_with_replacement or replacement,
         )
+        replacement = False  # the sampler draws
+    if (
+        isinstance(inner, IterableDataset)
+        and not isinstance(inner, _DealtStream)  # a loader of ours: dealt already
+        and ctx.world_size > 1
+    ):
+        # The script's stream knows nothing of ranks: each rank takes its batches.
+        inner = _DealtStream(inner, kept["batch_size"], ctx.rank, ctx.world_size)
+    return prepare_loader(
+        inner, ctx, **kept, evaluation=evaluation, replacement=replacement, seed=seed
+    )
+
+
+def _check_request(
+    dataset: Dataset[Any],
+    ctx: DistContext,
+    batch_size: int | None,
+    num_workers: int,
+    sampler: Sampler[Any] | None,
+    shuffle: bool | None,
+    evaluation: bool,
+    replacement: bool,
+) -> int:
+    """Refuse a size or a combination of `prepare_loader`'s arguments that cannot work;
+    the batch size, which a dataset needs."""
     if batch_size is None:
         raise ConfigError("prepare_loader needs a batch_size for a dataset: pass batch_size=32")
     if batch_size < 1:
@@ -562,33 +608,77 @@ def prepare_loader(
             "cannot make it count each sample exactly once: pass a map-style dataset "
             "(with __len__ and __getitem__), which ddpkit shards without padding"
         )
-    if sampler is None and not isinstance(dataset, IterableDataset):
-        size = len(dataset)  # type: ignore[arg-type]
-        if evaluation:
-            sampler = ShardSampler(size, ctx.rank, ctx.world_size)
-        else:
-            if size < ctx.world_size:
-                raise ConfigError(
-                    f"the training set has {size} sample(s) but there are {ctx.world_size} "
-                    f"ranks, so some rank would get none: use a larger dataset or --nproc {size}"
-                )
-            sampler = (ReplacementSampler if replacement else DistributedSampler)(
-                dataset,
-                num_replicas=ctx.world_size,
-                rank=ctx.rank,
-                shuffle=True if shuffle is None else shuffle,
-                seed=seed,
-                drop_last=drop_last,
-            )
-    seen_by = watcher()
-    if seen_by is not None and not evaluation:  # ddpkit verify, checking a hand-written loop
-        seen = seen_by.training_data(TrainingData(dataset, sampler, batch_size, num_workers))
-        dataset, sampler, batch_size, num_workers = (
-            seen.dataset,
-            seen.sampler,
-            seen.batch_size,
-            seen.num_workers,
+    return batch_size
+
+
+def _our_sampler(
+    dataset: Dataset[Any],
+    ctx: DistContext,
+    evaluation: bool,
+    replacement: bool,
+    shuffle: bool | None,
+    seed: int,
+    drop_last: bool,
+) -> Sampler[Any]:
+    """ddpkit's sampler of a map-style dataset: its shard for evaluation (no padding),
+    else a shard of one seeded order (drawn with replacement, if asked)."""
+    size = len(dataset)  # type: ignore[arg-type]
+    if evaluation:
+        return ShardSampler(size, ctx.rank, ctx.world_size)
+    if size < ctx.world_size:
+        raise ConfigError(
+            f"the training set has {size} sample(s) but there are {ctx.world_size} "
+            f"ranks, so some rank would get none: use a larger dataset or --nproc {size}"
         )
+    return (ReplacementSampler if replacement else DistributedSampler)(
+        dataset,
+        num_replicas=ctx.world_size,
+        rank=ctx.rank,
+        shuffle=True if shuffle is None else shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+
+
+def _as_verify_sees(
+    dataset: Dataset[Any],
+    sampler: Sampler[Any] | None,
+    batch_size: int,
+    num_workers: int,
+    evaluation: bool,
+) -> tuple[Dataset[Any], Sampler[Any] | None, int, int]:
+    """The training data as `ddpkit verify` has it read, while it checks a hand-written
+    loop (it records each sample a rank reads); else as it is."""
+    seen_by = watcher()
+    if seen_by is None or evaluation:
+        return dataset, sampler, batch_size, num_workers
+    seen = seen_by.training_data(TrainingData(dataset, sampler, batch_size, num_workers))
+    return seen.dataset, seen.sampler, seen.batch_size, seen.num_workers
+
+
+def _loader(
+    dataset: Dataset[Any],
+    ctx: DistContext,
+    sampler: Sampler[Any] | None,
+    *,
+    evaluation: bool,
+    seed: int,
+    batch_size: int,
+    num_workers: int,
+    pin_memory: bool | None,
+    drop_last: bool,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    worker_init_fn: Callable[[int], None] | None,
+    persistent_workers: bool,
+    prefetch_factor: int | None,
+    timeout: float,
+    multiprocessing_context: Any,
+    in_order: bool,
+    pin_memory_device: str,
+) -> DistributedLoader:
+    """The loader of this rank's share, as `prepare_loader` decided it: pinned on GPU
+    ranks, a plain TensorDataset fetched a batch at a time, each sample of a training
+    pass seeded in the workers; DataLoader's own options where they apply."""
     pin = _pins(dataset, ctx, pin_memory)
     # A plain TensorDataset is fetched a batch at a time (subclasses may override
     # __getitem__, and a collate_fn of the caller's expects single samples).
