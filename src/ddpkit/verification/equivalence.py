@@ -93,61 +93,15 @@ def check_equivalence(
     what one process computes with the global batch? `verify` describes the arguments;
     `atol`/`rtol` default to TOLERANCES[dtype]."""
     config = check_args(config, nproc, steps, minimum=1)
-    if dtype not in TOLERANCES:
-        raise ConfigError(f"dtype must be float64 or float32 (got {dtype!r})")
-    compressed = config.grad_compression != "none"
-    default_atol, default_rtol = BF16_GRADS if compressed else TOLERANCES[dtype]
-    atol = default_atol if atol is None else atol
-    rtol = default_rtol if rtol is None else rtol
-    if not (atol >= 0 and rtol >= 0):
-        raise ConfigError(f"atol and rtol must be >= 0 (got {atol}, {rtol}): pass --atol 1e-6")
+    atol, rtol = _tolerances(config, dtype, atol, rtol)
     precision = config.precision
     # Autocast would round both runs to 16 bits and hide what this check looks for.
     config = replace(config, epochs=steps, precision="32")  # each epoch has a step
-    say = log_fn or silent
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
-        folder = Path(tmp)
-        (folder / "samples").mkdir()
-        if loop is None:
-            say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
-            launch(
-                _equivalence_rank,
-                job,
-                config,
-                steps,
-                dtype,
-                str(folder),
-                nprocs=nproc,
-                backend="gloo",
-            )
-        else:
-            say(f"{steps} steps of the loop on {nproc} processes...")
-            launch(
-                _loop_rank,
-                (loop, loop_args),
-                steps,
-                dtype,
-                str(folder),
-                nprocs=nproc,
-                backend="gloo",
-            )
-        ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
-        # A loop's batch size is the one it gave prepare_loader, and its steps may be fewer.
-        batch = config.batch_size if loop is None else ranks[0]["batch_size"]
-        steps = steps if loop is None else len(ranks[0]["digests"]) - 1
-        if len({len(o) for r in ranks for o in r["orders"]}) > 1:
-            raise ConfigError(
-                "verify needs every rank to get the same number of samples per epoch, but "
-                "the job's train_sampler gives ranks shards of different lengths: check it "
-                "with ddpkit's own sharding (no train_sampler)"
-            )
-        keys = replay_keys([r["orders"] for r in ranks], batch)
-        say(f"the same {steps} steps on 1 process, batch {nproc * batch}...")
-        args = (steps, dtype, str(folder), keys, nproc, atol, rtol)
-        if loop is None:
-            compared = launch(_reference_rank, job, config, *args, nprocs=1, backend="gloo")
-        else:
-            compared = launch(_loop_reference, (loop, loop_args), *args, nprocs=1, backend="gloo")
+        ran = _run_both(
+            job, config, (loop, loop_args), nproc, steps, dtype, (atol, rtol), Path(tmp), log_fn
+        )
+    ranks, batch, steps, compared = ran
     report = VerifyReport(
         "equivalence",
         passed=True,
@@ -161,32 +115,7 @@ def check_equivalence(
         max_abs_diff=compared["max_abs"],
         tolerance_used=compared["used"],
     )
-    if precision != "32":
-        report.notes.append(f"precision {precision} compared without autocast, in {dtype}")
-    if compressed:
-        worst = max(compared["max_abs"], default=0.0)
-        report.notes.append(
-            f"the {nproc} ranks all-reduced gradients in bf16 (grad_compression): the "
-            f"largest parameter difference, {worst:.2e}, is that rounding's effect after "
-            f"{steps} steps; tolerance atol {atol:g}, rtol {rtol:g}"
-        )
-    dropout = ranks[0]["dropout"]
-    if dropout:
-        report.notes.append(
-            f"{dropout} Dropout layer(s) switched off in both runs: one process cannot draw "
-            "the random masks that N ranks draw"
-        )
-    if config.num_workers and any(len(set(o)) < len(o) for r in ranks for o in r["orders"]):
-        report.notes.append(
-            "the sampler gives a rank the same index twice in an epoch, and worker "
-            "processes fetch in parallel: the copies of such a sample may be replayed in "
-            "each other's place (check with --num-workers 0 if this run FAILs)"
-        )
-    if datasets_differ(ranks) and not ranks[0]["shards_by_index"]:
-        report.notes.append(
-            "the ranks build different datasets; taken as each rank's own shard, since "
-            "the job's train_sampler is not a DistributedSampler"
-        )
+    report.notes += _notes(report, config, ranks, precision)
     report.causes = equivalence_causes(
         report,
         ranks,
@@ -197,6 +126,108 @@ def check_equivalence(
     report.trained = any(d != r["digests"][0] for r in ranks for d in r["digests"][1:])
     report.passed = report.first_divergence is None and not report.causes and report.trained
     return report
+
+
+def _tolerances(
+    config: TrainConfig, dtype: str, atol: float | None, rtol: float | None
+) -> tuple[float, float]:
+    """(atol, rtol): as given, else the defaults for `dtype` (or for gradients
+    all-reduced in bf16)."""
+    if dtype not in TOLERANCES:
+        raise ConfigError(f"dtype must be float64 or float32 (got {dtype!r})")
+    compressed = config.grad_compression != "none"
+    default_atol, default_rtol = BF16_GRADS if compressed else TOLERANCES[dtype]
+    atol = default_atol if atol is None else atol
+    rtol = default_rtol if rtol is None else rtol
+    if not (atol >= 0 and rtol >= 0):
+        raise ConfigError(f"atol and rtol must be >= 0 (got {atol}, {rtol}): pass --atol 1e-6")
+    return atol, rtol
+
+
+def _run_both(
+    job: JobRef | None,
+    config: TrainConfig,
+    loop_and_args: tuple[LoopRef | None, tuple[Any, ...]],
+    nproc: int,
+    steps: int,
+    dtype: str,
+    tolerances: tuple[float, float],
+    folder: Path,
+    log_fn: LogFn,
+) -> tuple[list[dict[str, Any]], int, int, dict[str, Any]]:
+    """Run `steps` steps on `nproc` ranks, recording their samples in `folder`, then the
+    same steps on one process, replaying them; (what each rank recorded, the batch size
+    of a rank, the steps taken, the one process's comparison with rank 0)."""
+    loop = loop_and_args[0]
+    say = log_fn or silent
+    (folder / "samples").mkdir()
+    if loop is None:
+        say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
+        launch(
+            _equivalence_rank,
+            job,
+            config,
+            steps,
+            dtype,
+            str(folder),
+            nprocs=nproc,
+            backend="gloo",
+        )
+    else:
+        say(f"{steps} steps of the loop on {nproc} processes...")
+        launch(_loop_rank, loop_and_args, steps, dtype, str(folder), nprocs=nproc, backend="gloo")
+    ranks = [json.loads((folder / f"rank-{r}.json").read_text()) for r in range(nproc)]
+    # A loop's batch size is the one it gave prepare_loader, and its steps may be fewer.
+    batch = config.batch_size if loop is None else ranks[0]["batch_size"]
+    steps = steps if loop is None else len(ranks[0]["digests"]) - 1
+    if len({len(o) for r in ranks for o in r["orders"]}) > 1:
+        raise ConfigError(
+            "verify needs every rank to get the same number of samples per epoch, but "
+            "the job's train_sampler gives ranks shards of different lengths: check it "
+            "with ddpkit's own sharding (no train_sampler)"
+        )
+    keys = replay_keys([r["orders"] for r in ranks], batch)
+    say(f"the same {steps} steps on 1 process, batch {nproc * batch}...")
+    args = (steps, dtype, str(folder), keys, nproc, *tolerances)
+    if loop is None:
+        compared = launch(_reference_rank, job, config, *args, nprocs=1, backend="gloo")
+    else:
+        compared = launch(_loop_reference, loop_and_args, *args, nprocs=1, backend="gloo")
+    return ranks, batch, steps, compared
+
+
+def _notes(
+    report: VerifyReport, config: TrainConfig, ranks: list[dict[str, Any]], precision: str
+) -> list[str]:
+    """What the report should say about how the runs were made comparable."""
+    notes = []
+    if precision != "32":
+        notes.append(f"precision {precision} compared without autocast, in {report.dtype}")
+    if config.grad_compression != "none":
+        worst = max(report.max_abs_diff, default=0.0)
+        notes.append(
+            f"the {report.nproc} ranks all-reduced gradients in bf16 (grad_compression): the "
+            f"largest parameter difference, {worst:.2e}, is that rounding's effect after "
+            f"{report.steps} steps; tolerance atol {report.atol:g}, rtol {report.rtol:g}"
+        )
+    dropout = ranks[0]["dropout"]
+    if dropout:
+        notes.append(
+            f"{dropout} Dropout layer(s) switched off in both runs: one process cannot draw "
+            "the random masks that N ranks draw"
+        )
+    if config.num_workers and any(len(set(o)) < len(o) for r in ranks for o in r["orders"]):
+        notes.append(
+            "the sampler gives a rank the same index twice in an epoch, and worker "
+            "processes fetch in parallel: the copies of such a sample may be replayed in "
+            "each other's place (check with --num-workers 0 if this run FAILs)"
+        )
+    if datasets_differ(ranks) and not ranks[0]["shards_by_index"]:
+        notes.append(
+            "the ranks build different datasets; taken as each rank's own shard, since "
+            "the job's train_sampler is not a DistributedSampler"
+        )
+    return notes
 
 
 # -- the N-rank run ---------------------------------------------------------------------
