@@ -1,10 +1,12 @@
 """The strategy: how a model is spread over the ranks, decided once per run.
 
 "ddp" keeps a whole copy of the model on every rank and all-reduces the gradients;
-"fsdp" shards parameters, gradients and optimizer state over the ranks (FSDP2). Every
-question whose answer depends on that choice is answered here, so that the rest of
-ddpkit asks the object instead of comparing the name: how to wrap the model, whether
-its checkpoints are sharded, how to read a whole tensor, how to skip a gradient sync.
+"fsdp" shards parameters, gradients and optimizer state over the ranks (FSDP2). Everything
+that depends on that choice is done here, so that the rest of ddpkit calls the object
+instead of asking which it is: wrapping the model, what a checkpoint holds of the model
+and optimizer and putting it back (the checkpoint layer, above this one, writes the files
+and passes in its own checks), the model's whole state for digests, a whole tensor,
+skipping a gradient sync.
 """
 
 from __future__ import annotations
