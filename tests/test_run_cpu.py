@@ -157,11 +157,90 @@ assert not loader.pin_memory
 """
 
 
-def test_what_the_rehearsal_maps() -> None:
+def test_what_the_rehearsal_maps(tmp_path: Path) -> None:
+    # From a file of the user's own (in the current folder): the GPU is shown to it.
+    (tmp_path / "mapped.py").write_text(MAPPED)
     done = subprocess.run(
-        [sys.executable, "-c", MAPPED],
+        [sys.executable, "mapped.py"],
         capture_output=True,
         text=True,
+        cwd=tmp_path,
+        env={"LOCAL_WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# A script that is its own launcher, shaped like the tutorial's multigpu.py: run under
+# ddpkit run, its children would inherit torchrun's TORCHELASTIC_USE_AGENT_STORE and wait
+# for a store that nobody serves.
+SPAWNS = """\
+import os
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank, world, port):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", port
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(3))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(2, sys.argv[1]), nprocs=2)
+"""
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["run", "run_cpu"])
+def test_a_script_that_spawns_its_own_ranks_is_refused_in_one_line(
+    tmp_path: Path, cpu: bool
+) -> None:
+    (tmp_path / "own_ranks.py").write_text(SPAWNS)
+    flags = ["--cpu"] if cpu else []
+    args = ("run", *flags, "--max-restarts", "1", "--nproc", "2", "own_ranks.py", "29999")
+    done = run_cli(*args, cwd=tmp_path, timeout=90)
+    lines = done.stderr.strip().splitlines()
+    assert (done.returncode, len(lines)) == (2, 1), done.stderr
+    assert lines[0].startswith(
+        "ddpkit: own_ranks.py:16 starts its own ranks with torch.multiprocessing.spawn(), "
+        "inside each rank of ddpkit run: run it as `python own_ranks.py`"
+    ), lines[0]
+    assert "docs/port.md" in lines[0]
+
+
+# Who sees the GPU under the rehearsal: the user's own files (here, the current folder)
+# do; a library, installed in a venv inside that folder, sees the machine as it is, so
+# that one with a CPU path of its own (Accelerate, Fabric) takes it.
+WHO_SEES = """
+import os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "venv", "lib", "site-packages"))
+import torch
+import library
+from ddpkit.processes import rehearse
+real = (torch.cuda.is_available(), torch.cuda.device_count())
+rehearse.install()
+assert library.sees() == real, library.sees()
+sys.path.insert(0, os.getcwd())
+import own
+assert own.sees() == (True, 2), own.sees()
+"""
+
+
+def test_only_the_users_own_files_see_the_rehearsed_gpu(tmp_path: Path) -> None:
+    installed = tmp_path / "venv" / "lib" / "site-packages"
+    installed.mkdir(parents=True)
+    sees = "import torch\n\n\ndef sees():\n    cuda = torch.cuda\n"
+    sees += "    return cuda.is_available(), cuda.device_count()\n"
+    (installed / "library.py").write_text(sees)
+    (tmp_path / "own.py").write_text(sees)
+    done = subprocess.run(
+        [sys.executable, "-c", WHO_SEES],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
         env={"LOCAL_WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"},
         timeout=120,
     )

@@ -73,9 +73,7 @@ def _user_site() -> Site:
     except installed packages (site-packages, dist-packages), the standard library,
     torch and ddpkit. Every other file is a library's. With no user's frame on the stack,
     the library's innermost frame is the place."""
-    import torch
-
-    skipped = (*_NOT_USER, os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""))
+    skipped = not_users()
     roots = _user_roots()
     library: tuple[str, int] | None = None
     frame = sys._getframe(1)
@@ -88,6 +86,25 @@ def _user_site() -> Site:
             library = library or (path, frame.f_lineno)
         frame = frame.f_back  # type: ignore[assignment]
     return (*library, "") if library else ("<unknown>", 0, "")
+
+
+def users_own(filename: str) -> bool:
+    """Whether `filename` (a code object's) is one of the user's own files, by the rule
+    of `_user_site`. `ddpkit run --cpu` shows its rehearsed GPU to these files alone."""
+    if filename.startswith("<"):
+        return False
+    path = os.path.abspath(filename)
+    return (
+        path.startswith(_user_roots()) and not path.startswith(not_users()) and not _installed(path)
+    )
+
+
+@functools.cache
+def not_users() -> tuple[str, ...]:
+    """Folders whose files are never the user's: ddpkit's, the standard library's, torch's."""
+    import torch
+
+    return (*_NOT_USER, os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), ""))
 
 
 def _user_roots() -> tuple[str, ...]:

@@ -37,7 +37,6 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 # Set by `ddpkit run --cpu` for its workers.
@@ -146,33 +145,28 @@ def rehearsing() -> bool:
 # -- where the user's call is ---------------------------------------------------------
 
 
-def _not_users() -> tuple[str, ...]:
-    """Folders whose code is not the user's: ddpkit's, torch's, the standard library's."""
-    import torch
-
-    return (
-        str(Path(__file__).resolve().parent.parent),
-        str(Path(torch.__file__).resolve().parent),
-        str(Path(os.__file__).resolve().parent),
-    )
-
-
 def _where(frames: Iterable[tuple[types.FrameType, int]]) -> tuple[str, str]:
     """(the user's file:line, the torch call made there) for `frames`, innermost first:
-    the innermost frame outside ddpkit, torch and the standard library, and the
+    the innermost frame of the user's own files (the audit's rule), followed by the
+    library's line it led to, if any ("train.py:80 (in timm/data/loader.py:144)"); else
+    the innermost frame outside ddpkit, torch and the standard library. The call is the
     outermost torch function below it."""
-    skipped = _not_users()
-    called = ""
+    from ddpkit.processes.audit import _library_frame, _shown, not_users, users_own
+
+    skipped = not_users()
+    called, library = "", ""
     for frame, line in frames:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if path.startswith(skipped) or path.startswith("<"):
+        name = frame.f_code.co_filename
+        path = os.path.abspath(name)
+        if path.startswith(skipped) or name.startswith("<"):
             module = str(frame.f_globals.get("__name__", ""))
-            if module.startswith("torch"):
+            if module.startswith("torch") and not library:
                 called = f"{module}.{frame.f_code.co_name}"
             continue
-        relative = os.path.relpath(path)
-        return f"{path if relative.startswith('..') else relative}:{line}", called
-    return "an unknown line", called
+        if users_own(name):
+            return f"{_shown(path)}:{line}" + (f" (in {library})" if library else ""), called
+        library = library or _library_frame((path, line))  # timm/data/loader.py:144
+    return library or "an unknown line", called
 
 
 def _stack(frame: types.FrameType | None) -> Iterator[tuple[types.FrameType, int]]:
@@ -181,12 +175,49 @@ def _stack(frame: types.FrameType | None) -> Iterator[tuple[types.FrameType, int
         frame = frame.f_back
 
 
+# The fix for a refused call that a common script makes through its library: the
+# option that takes the path without it (timm's train.py prefetches each batch on a
+# side CUDA stream unless told not to).
+_FIXES = {"timm/": "pass --no-prefetcher (timm's train.py: its loader's prefetch stream)"}
+
+
 def _refuse(call: str, why: str) -> NotRehearsable:
     site, _ = _where(_stack(sys._getframe(1)))
+    fix = next((f for where, f in _FIXES.items() if f"(in {where}" in site), "")
     return NotRehearsable(
-        f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): {why}; run this "
-        "script on GPUs, or give it a path without this call when no GPU is there"
+        f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): {why}; "
+        + (
+            fix
+            or "run this script on GPUs, or give it a path without this call when no GPU is there"
+        )
     )
+
+
+def refuse_own_ranks() -> None:
+    """In a rank of `ddpkit run`, a script that starts its own ranks
+    (`torch.multiprocessing.spawn`, `start_processes`: the tutorial's multigpu.py) ends
+    the job in one line: its children would inherit torchrun's
+    TORCHELASTIC_USE_AGENT_STORE and wait forever for a store that nobody serves, and
+    each of ddpkit's ranks would start a whole job of its own."""
+    import torch.multiprocessing as mp
+
+    spawning = sys.modules["torch.multiprocessing.spawn"]  # the module, which mp.spawn hides
+
+    def refusing(name: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            site, _ = _where(_stack(sys._getframe(1)))
+            script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0] else "SCRIPT"
+            raise NotRehearsable(
+                f"{site} starts its own ranks with torch.multiprocessing.{name}(), inside "
+                f"each rank of ddpkit run: run it as `python {script}`, or let ddpkit start "
+                "the ranks: see docs/port.md"
+            )
+
+        return refused
+
+    for name in ("spawn", "start_processes"):
+        setattr(mp, name, refusing(name))
+        setattr(spawning, name, getattr(mp, name))
 
 
 def refusal(exc: BaseException) -> NotRehearsable | None:
@@ -303,11 +334,15 @@ def _patch_load(torch: Any) -> None:
 # -- torch.cuda -----------------------------------------------------------------------
 
 
-def _torchs(frame: types.FrameType | None) -> bool:
-    """Whether `frame` is torch's or ddpkit's own code (which must see the machine as
-    it is), not the script's or a library's."""
-    name = str(frame.f_globals.get("__name__", "")) if frame is not None else ""
-    return name == "torch" or name.startswith(("torch.", "ddpkit."))
+def _users(frame: types.FrameType | None) -> bool:
+    """Whether `frame` is the user's own code (the audit's rule: the script's folder or
+    the current one, not an installed package, torch, ddpkit or the standard library),
+    which sees the rehearsed GPU. Every other caller sees the machine as it is, so that
+    torch and ddpkit stay on their CPU paths, and a library with a CPU path of its own
+    (Accelerate, Lightning Fabric, timm's helpers) takes it, as on a CPU machine."""
+    from ddpkit.processes.audit import users_own
+
+    return frame is not None and users_own(frame.f_code.co_filename)
 
 
 class _Event:
@@ -354,10 +389,10 @@ def _patch_cuda(torch: Any, local_ranks: int) -> None:
     current = [0]
 
     def is_available() -> bool:
-        return bool(real_available()) if _torchs(sys._getframe(1)) else True
+        return True if _users(sys._getframe(1)) else bool(real_available())
 
     def device_count() -> int:
-        return int(real_count()) if _torchs(sys._getframe(1)) else local_ranks
+        return local_ranks if _users(sys._getframe(1)) else int(real_count())
 
     def set_device(device: Any) -> None:
         if isinstance(device, str):

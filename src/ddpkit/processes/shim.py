@@ -120,6 +120,7 @@ def main() -> None:
             recorder = audit.install(rank)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
+        rehearse.refuse_own_ranks()  # mp.spawn inside a rank would hang
     if rehearse.rehearsing():  # --cpu: after the audit's hooks, which it wraps
         rehearse.install()
     sys.argv = [target, *rest]
