@@ -9,7 +9,6 @@ import contextlib
 import itertools
 import logging
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,15 @@ from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 from ddpkit.storage import PENDING
 from ddpkit.training.config import TrainConfig
+from ddpkit.training.progress import (
+    Bar,
+    Window,
+    epoch_line,
+    epoch_name,
+    eval_parts,
+    print_line,
+    start_line,
+)
 
 log = logging.getLogger("ddpkit")
 
@@ -53,8 +61,6 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], LRScheduler]
 # Steps enter a few contexts that are mostly no-ops: share one instead of making many.
 _NOTHING = contextlib.nullcontext()
-# Seconds between updates of the progress bar's loss (each costs a host sync).
-_BAR_SECONDS = 1.0
 
 
 class Callback:
@@ -401,7 +407,8 @@ class Trainer:
         # The step whose evaluation ReduceLROnPlateau and early stopping have judged: the
         # last step of an epoch may be due for two evaluations, which are one.
         self._judged_step = -1
-        self.log_fn = log_fn or _print
+        self.log_fn = log_fn or print_line
+        self._bar = Bar(config, ctx)  # the training pass's (evaluate draws its own)
         self.epoch = 0  # the epoch running, or the next one to run
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
@@ -494,7 +501,7 @@ class Trainer:
                 f"the step this run resumed from{again}"
             )
         if not self._done():  # else resume said why not
-            self.say(self._start_line())
+            self.say(start_line(cfg, self.ctx))
         if runlog.kept is not None:
             self.say(f"{cfg.run_dir} held another run's records: kept as {runlog.kept.name}")
         self._call("on_fit_start")
@@ -527,7 +534,7 @@ class Trainer:
                 if self.eval_loader is not None:
                     metrics.update(self._evaluate_once())
                 runlog.write("epoch", self.global_step, {"epoch": epoch + 1, **metrics})
-                self._log_epoch(epoch, seconds, metrics)
+                self.say(epoch_line(cfg, epoch, self.global_step, seconds, metrics))
                 if self._judged_step != self.global_step:  # else judged as it evaluated
                     self._step_plateau(metrics)
                 self._call("on_epoch_end", epoch, metrics)  # early stopping checks here
@@ -595,9 +602,9 @@ class Trainer:
         steps = self.config.max_steps
 
         def bar(batch_iter: Iterator[Any]) -> Iterable[Any]:
-            return self._open_bar(
+            return self._bar.wrap(
                 batch_iter,
-                self._epoch_name(epoch),
+                epoch_name(self.config, epoch),
                 total if steps is None else steps,
                 initial=skip if steps is None else self.global_step,
                 per_step=steps is not None,
@@ -606,8 +613,8 @@ class Trainer:
         micro_batches = self.plan.micro_batches(bar)
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
-        if runlog.active or self._bar is not None:
-            window = _Window(device, self.ctx.world_size)
+        if runlog.active or self._bar.shown():
+            window = Window(device, self.ctx.world_size)
         start = time.perf_counter()
         whole = True
         step_count = 0  # this rank's samples in the step running
@@ -650,7 +657,7 @@ class Trainer:
                         whole = False
                         break
         finally:  # also on Ctrl-C: no half-drawn bar left on the screen
-            self._close_bar()
+            self._bar.close()
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - start
@@ -659,7 +666,7 @@ class Trainer:
         trained = self._seen_before_epoch + int(n) - seen_at_start
         return total_loss / max(n, 1), int(n), trained, seconds, whole
 
-    def _optimizer_step(self, window: _Window | None) -> None:
+    def _optimizer_step(self, window: Window | None) -> None:
         prec = self.precision
         if self.config.clip_grad_norm is not None:  # of the true (unscaled) gradient
             norm = prec.clip_gradients(self._params, self.optimizer, self.config.clip_grad_norm)
@@ -679,7 +686,7 @@ class Trainer:
             self.scheduler.step()
         self.global_step += 1
 
-    def _logs_grad_norm(self, window: _Window | None) -> bool:
+    def _logs_grad_norm(self, window: Window | None) -> bool:
         """Whether this step's gradient norm goes to the run log. Under FSDP every rank
         computes it (a collective), so the answer must not depend on the rank: it follows
         the config, which every rank shares, not rank 0's window."""
@@ -690,7 +697,7 @@ class Trainer:
         return window is not None
 
     def _after_step(
-        self, window: _Window | None, runlog: RunLog, epoch: int, epoch_loss: Callable[[], float]
+        self, window: Window | None, runlog: RunLog, epoch: int, epoch_loss: Callable[[], float]
     ) -> None:
         if window is not None and self.global_step % self.config.log_every == 0:
             # Before this step's checkpoint: a run that ends right after it resumes with
@@ -710,7 +717,7 @@ class Trainer:
         if every and self.eval_loader is not None and self.global_step % every == 0:
             evaluation = self._evaluate_once()
             runlog.write("eval", self.global_step, {"epoch": epoch, **evaluation})
-            self.say(" | ".join([f"step {self.global_step}", *_eval_parts(evaluation)]))
+            self.say(" | ".join([f"step {self.global_step}", *eval_parts(evaluation)]))
             # Judged as at an epoch's end, the training loss by the same name: the
             # epoch's mean so far (at the epoch's last step, the epoch line's).
             metrics = {"loss": epoch_loss(), **evaluation}
@@ -728,15 +735,7 @@ class Trainer:
             self.save()  # every rank, after the same step
         if improved:
             self._keep_best()
-        if self._bar_steps and self._bar is not None:
-            self._bar.update()
-        if window is None:
-            return
-        if self._bar is not None and time.perf_counter() >= self._bar_due:
-            # The bar's numbers cost a host sync too: at most one a second.
-            loss, rate = window.peek()
-            self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{rate:,.0f}", refresh=False)
-            self._bar_due = time.perf_counter() + _BAR_SECONDS
+        self._bar.step_done(window)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -757,12 +756,12 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
         count, classify = 0, False
         batches = 0
-        training_bar = self._bar, self._bar_steps  # evaluate() may run mid-epoch
+        bar = Bar(self.config, self.ctx)  # evaluate() may run mid-epoch, beside the pass's
         try:
             cap, length = self.config.eval_max_batches, _length(self.eval_loader)
             if cap is not None and length is not None:
                 length = min(length, cap)
-            for batch in self._open_bar(self.eval_loader, "eval", length):
+            for batch in bar.wrap(self.eval_loader, "eval", length):
                 if cap is not None and batches >= cap:
                     break
                 batches += 1
@@ -784,8 +783,7 @@ class Trainer:
             if self.strategy.shards_model:
                 self._gather_as_often_as_rank_0(model, batches)
         finally:
-            self._close_bar()
-            self._bar, self._bar_steps = training_bar
+            bar.close()
         bare.train(was_training)
         # Every rank reduces the same names in the same order, even one with no batch.
         names = ["loss", *(self._metric_names(sums)), "accuracy"]
@@ -1060,118 +1058,6 @@ class Trainer:
         if self.ctx.is_main:
             self.log_fn(text)
 
-    def _epoch_name(self, epoch: int) -> str:
-        """ "epoch 3/10"; "epoch 3" when only max_steps ends the run."""
-        limit = self.config.epoch_limit()
-        return f"epoch {epoch + 1}" + ("" if limit is None else f"/{limit}")
-
-    def _log_epoch(self, epoch: int, seconds: float, metrics: dict[str, float]) -> None:
-        parts = [self._epoch_name(epoch)]
-        if self.config.max_steps is not None:
-            parts.append(f"step {self.global_step}/{self.config.max_steps}")
-        parts += [
-            f"loss {metrics['loss']:.4f}",
-            f"{metrics['samples_per_s']:,.0f} samples/s",
-            f"{seconds:.2f}s",
-            *_eval_parts(metrics),
-        ]
-        self.say(" | ".join(parts))
-
-    def _start_line(self) -> str:
-        """How the run trains, in one line: processes, device, precision, batches, folders."""
-        cfg, ctx = self.config, self.ctx
-        per_step = cfg.batch_size * cfg.accumulate * ctx.world_size
-        how = f"{cfg.batch_size} per rank"
-        if cfg.accumulate > 1:
-            how += f" x {cfg.accumulate} accumulated"
-        procs = f"{ctx.world_size} process{'es' if ctx.world_size > 1 else ''}"
-        parts = [
-            f"training: {procs} ({ctx.backend}, {ctx.device.type})",
-            f"{cfg.strategy}",
-            f"precision {cfg.precision}",
-            f"batch {how}, {per_step} per step",
-            f"checkpoints {cfg.checkpoint_dir or 'off (no --checkpoint-dir)'}",
-        ]
-        if cfg.run_dir:
-            parts.append(f"run log {cfg.run_dir}")
-        return ", ".join(parts)
-
-    _bar: Any = None
-    _bar_due = 0.0
-    _bar_steps = False  # the bar counts optimizer steps, not the batches it wraps
-
-    def _open_bar(
-        self,
-        loader: Iterable[Any],
-        desc: str,
-        total: int | None,
-        initial: int = 0,
-        *,
-        per_step: bool = False,
-    ) -> Iterable[Any]:
-        """`loader`, drawn as a progress bar on rank 0 when `config.progress` asks for
-        one (by default: when stdout is a terminal). `per_step`: the bar counts the
-        optimizer steps that `_after_step` reports, and `loader` is returned as it is."""
-        self._bar, self._bar_steps = None, per_step
-        show = self.config.progress
-        if show is None:
-            show = sys.stdout.isatty()
-        if not (show and self.ctx.is_main):
-            return loader
-        from tqdm import tqdm
-
-        self._bar_due = time.perf_counter() + _BAR_SECONDS
-        self._bar = tqdm(
-            None if per_step else loader,
-            desc=desc,
-            total=total,
-            initial=initial,  # a resumed epoch shows the batches it had trained
-            leave=False,
-            dynamic_ncols=True,
-        )
-        return loader if per_step else cast(Iterable[Any], self._bar)
-
-    def _close_bar(self) -> None:
-        if self._bar is not None:
-            self._bar.close()  # leave=False: the bar is erased
-            self._bar = None
-
-
-class _Window:
-    """Loss, samples and time since the last step log, kept on the device. Step logs
-    are rank 0's own numbers (no collective); samples/s assumes equal shards."""
-
-    def __init__(self, device: torch.device, world_size: int) -> None:
-        self.loss = torch.zeros((), device=device)
-        self.world_size = world_size
-        self.samples = 0
-        self.start = time.perf_counter()
-        self.grad_norm: torch.Tensor | None = None
-        self.last = (math.nan, 0.0)  # what peek() gives before the first batch
-
-    def add(self, loss: torch.Tensor, n: int) -> None:
-        self.loss.add_(loss.float(), alpha=n)
-        self.samples += n
-
-    def peek(self) -> tuple[float, float]:
-        """(mean loss, samples/s) since the last flush, or as of it when none since."""
-        if self.samples:
-            seconds = max(time.perf_counter() - self.start, 1e-9)
-            self.last = float(self.loss) / self.samples, self.samples * self.world_size / seconds
-        return self.last
-
-    def flush(self) -> dict[str, Any]:
-        now = time.perf_counter()
-        values: dict[str, Any] = {
-            "loss": float(self.loss) / max(self.samples, 1),
-            "samples_per_s": self.samples * self.world_size / max(now - self.start, 1e-9),
-            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-        }
-        self.last = values["loss"], values["samples_per_s"]
-        self.loss.zero_()
-        self.samples, self.start, self.grad_norm = 0, now, None
-        return values
-
 
 def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all `tensors` together (torch's own where it has one: 2.6 may not)."""
@@ -1181,18 +1067,6 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
     return total
-
-
-def _eval_parts(metrics: dict[str, float]) -> list[str]:
-    """The evaluation's numbers for a log line: eval_loss, the metrics_fn's, accuracy."""
-    parts = [
-        f"{name} {value:.4f}"
-        for name, value in metrics.items()
-        if name.startswith("eval_") and name != "eval_samples"
-    ]
-    if "accuracy" in metrics:
-        parts.append(f"accuracy {metrics['accuracy']:.2%}")
-    return parts
 
 
 def _from_evaluation(metric: str) -> bool:
@@ -1249,7 +1123,3 @@ def _length(loader: Any) -> int | None:
 
 def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
-def _print(text: str) -> None:
-    print(text, flush=True)
