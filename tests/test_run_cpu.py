@@ -245,3 +245,35 @@ def test_only_the_users_own_files_see_the_rehearsed_gpu(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_library_that_needs_the_gpu_is_refused_with_the_fix(tmp_path: Path) -> None:
+    # A library (installed: it sees the machine as it is) asserting CUDA, as timm's
+    # init_distributed_device does for --device cuda; and timm's prefetcher, whose side
+    # stream is refused with the option that turns it off.
+    installed = tmp_path / "venv" / "lib" / "site-packages"
+    (installed / "timm" / "data").mkdir(parents=True)
+    (installed / "checks.py").write_text(
+        "import torch\n\n\ndef init(device):\n"
+        "    assert torch.cuda.is_available(), f'CUDA is not available but {device} was asked'\n"
+    )
+    (installed / "timm" / "data" / "loader.py").write_text(
+        "import torch\n\n\ndef prefetch():\n    return torch.cuda.Stream()\n"
+    )
+    (tmp_path / "train.py").write_text(
+        "import sys\nimport checks\nfrom timm.data import loader\n\n"
+        "if sys.argv[1] == 'init':\n    checks.init('cuda')\nelse:\n    loader.prefetch()\n"
+    )
+    env = {"PYTHONPATH": str(installed)}
+    said = []
+    for step in ("init", "prefetch"):
+        done = run_cli("run", "--cpu", "--nproc", "2", "train.py", step, cwd=tmp_path, env=env)
+        lines = done.stderr.strip().splitlines()
+        assert (done.returncode, len(lines)) == (2, 1), done.stderr
+        said.append(lines[0])
+    assert said[0].startswith("ddpkit: a CUDA call at train.py:6 (in checks.py:5) cannot be"), said
+    assert "only the script's own files see the rehearsed GPU" in said[0]
+    assert said[1].startswith(
+        "ddpkit: torch.cuda.Stream() at train.py:8 (in timm/data/loader.py:5) cannot be"
+    ), said
+    assert said[1].endswith("pass --no-prefetcher (timm's train.py: its loader's prefetch stream)")

@@ -96,6 +96,7 @@ _NO_CUDA = (
     "no CUDA GPUs are available",
     "Tried to instantiate dummy base class",
     "Cannot access accelerator device when none is available",
+    "CUDA is not available",  # a library's own check (timm's init_distributed_device)
 )
 
 
@@ -232,10 +233,17 @@ def refusal(exc: BaseException) -> NotRehearsable | None:
     frames = list(traceback.walk_tb(exc.__traceback__))
     site, called = _where(reversed(frames))
     call = f"{called}()" if called else "a CUDA call"
+    said = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    fix = (
+        # A library's line: it saw the machine as it is, as it does on a CPU machine.
+        "only the script's own files see the rehearsed GPU, so that a library takes its "
+        "CPU path: give this one its CPU option (timm: --device cpu), or run on GPUs"
+        if " (in " in site
+        else "run this script on GPUs, or give it a path without this call when no GPU is there"
+    )
     return NotRehearsable(
-        f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): it needs a GPU "
-        f"({str(exc).splitlines()[0]}); run this script on GPUs, or give it a path "
-        "without this call when no GPU is there"
+        f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): it needs a GPU"
+        f"{f' ({said})' if said else ''}; {fix}"
     )
 
 
