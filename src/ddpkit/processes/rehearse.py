@@ -7,9 +7,10 @@ device_ids=[local_rank])`. In each rank of `ddpkit run --cpu`, before the script
 runs on the GPUs runs here (a laptop, a CI box), and its DDP mistakes show before the
 GPUs are booked:
 
-- the script (and the libraries it calls) sees one GPU per local rank:
-  `torch.cuda.is_available()` is True, `device_count()` the local ranks; torch's own
-  code and ddpkit's see the machine as it is, so they stay on their CPU paths;
+- the user's own files (the audit's rule: the script's folder and the current one, not
+  an installed package) see one GPU per local rank: `torch.cuda.is_available()` is
+  True, `device_count()` the local ranks; torch, ddpkit and the libraries see the
+  machine as it is, so they stay on their CPU paths (Accelerate, Lightning Fabric);
 - a CUDA device (`"cuda"`, `"cuda:1"`, `torch.device("cuda", 1)`, a bare index such as
   `1`) given to `.to()`, `.cuda()`, a factory's `device=`, `torch.load`'s
   `map_location` or `DDP(device_ids=..., output_device=...)` means the CPU;
@@ -22,7 +23,9 @@ GPUs are booked:
 What cannot run on a CPU (a stream's concurrency, a CUDA graph, a CUDA kernel of the
 script's own) stops the job with one line naming the call and the user's line
 (`NotRehearsable`, exit status 2), as does any other CUDA call that reaches a CPU-only
-torch ("Torch not compiled with CUDA enabled").
+torch ("Torch not compiled with CUDA enabled"), or a library's own check for CUDA.
+Under `ddpkit run`, with or without `--cpu`, so does a script that starts its own ranks
+(`refuse_own_ranks`).
 
 The cost on a step is a Python call in front of `Tensor.to` and of the factories, and
 a frame lookup in `torch.cuda.is_available()`; see `bench/rehearse_cost.py`.
