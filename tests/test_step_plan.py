@@ -6,6 +6,7 @@ buffers, optimizer and scheduler state are compared, not rank 0's alone."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,15 +66,25 @@ def _scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRSchedul
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
 
 
-def _hand_loop(ctx: ddpkit.DistContext) -> dict[str, Any]:
+def _hand_loop(
+    ctx: ddpkit.DistContext, folder: str | None = None, stop: int | None = None
+) -> dict[str, Any]:
+    """The job as a hand-written loop over the step plan; with `folder`, it saves after
+    every step, resumes from the newest save, and returns after step `stop` (a crash)."""
     model = ddpkit.prepare_model(_model(), ctx)
     opt = _optimizer(model.parameters())
     sched = _scheduler(opt)
     loader = ddpkit.prepare_loader(_data(), ctx, 4, sampler=_Unequal(ctx.rank))
     plan = StepPlan(loader, model, accumulate=2)
     seed_everything(rank_seed(0, ctx.rank))  # each rank's own dropout, as the Trainer's
-    steps = samples = 0
-    for epoch in range(2):
+    steps = samples = first_epoch = 0
+    if folder is not None:
+        saved = ddpkit.load_state(
+            folder, model=model, optimizer=opt, scheduler=sched, loader=loader
+        )
+        if saved is not None:  # the loader's next pass starts after the saved batches
+            first_epoch, steps = saved["epoch"], saved["step"]
+    for epoch in range(first_epoch, 2):
         loader.set_epoch(epoch)
         model.train()
         for micro in plan:
@@ -92,6 +103,19 @@ def _hand_loop(ctx: ddpkit.DistContext) -> dict[str, Any]:
                 opt.zero_grad(set_to_none=True)
                 sched.step()
                 steps += 1
+                if folder is not None:
+                    ddpkit.save_state(
+                        folder,
+                        model=model,
+                        optimizer=opt,
+                        scheduler=sched,
+                        loader=loader,
+                        epoch=epoch,
+                        batch=micro.position,
+                        step=steps,
+                    )
+                if steps == stop:
+                    return {"steps": steps}
     return {"state": held_state(model, opt, sched), "steps": steps, "samples": samples}
 
 
@@ -144,3 +168,21 @@ def test_a_plan_needs_ddpkits_loader() -> None:
     loader = torch.utils.data.DataLoader(_data(), batch_size=4)
     with pytest.raises(ConfigError, match="prepare_loader"):
         StepPlan(loader, nn.Linear(6, 1))  # type: ignore[arg-type]
+
+
+def _resumed(ctx: ddpkit.DistContext, folder: str) -> list[str]:
+    """A hand loop stopped after step 3 (rank 0's shard ran out at step 2: it stands
+    in from then on) and resumed, against the straight loop, on every rank."""
+    straight = _hand_loop(ctx)
+    assert _hand_loop(ctx, folder, stop=3) == {"steps": 3}
+    resumed = _hand_loop(ctx, folder)
+    ranks: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(ranks, differences(straight["state"], resumed["state"]))
+    return [f"rank {r}: {d}" for r, diffs in enumerate(ranks) for d in diffs]
+
+
+def test_a_hand_loop_resumed_mid_epoch_over_uneven_shards_is_the_straight_one(
+    tmp_path: Path,
+) -> None:
+    # Parameters, buffers, AdamW, the scheduler and each rank's random streams.
+    assert ddpkit.launch(_resumed, str(tmp_path), nprocs=2, hang_timeout=60) == []

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from ddpkit.training.evaluation import Evaluation
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from ddpkit.checkpoint.pt import find_checkpoint, keep_as_best, lock_folder
 from ddpkit.checkpoint.state import checkpoint_state, restore, save_state
@@ -30,14 +31,13 @@ from ddpkit.parallel.batches import (
     StepFn,
     count_samples,
     default_step,
-    is_pair,
     to_device,
 )
-from ddpkit.parallel.data import ShardSampler, prepare_loader
+from ddpkit.parallel.data import prepare_loader
 from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
-from ddpkit.parallel.ranks import all_gather, broadcast_object, reduce_sums
-from ddpkit.parallel.steps import StepPlan
+from ddpkit.parallel.ranks import all_gather, reduce_sums
+from ddpkit.parallel.steps import MicroBatch, StepPlan
 from ddpkit.parallel.strategy import Strategy, prepare_model
 from ddpkit.processes.preemption import StopVote, ddpkit_job, saving_on_signal
 from ddpkit.records.runlog import RunLog
@@ -233,6 +233,29 @@ class FitResult:
     stopped_early: bool = False
 
 
+@dataclass
+class _Pass:
+    """A pass over the training data under way (`Trainer._start_epoch`)."""
+
+    epoch: int
+    micro_batches: Iterator[MicroBatch]
+    window: Window | None  # the step log's numbers, when someone reads them
+    seen_at_start: int  # samples seen (all ranks) before the pass
+    start: float = field(default_factory=time.perf_counter)
+    step_samples: int = 0  # this rank's samples in the step running
+    whole: bool = True  # False once an early stop or max_steps ends it inside the epoch
+
+
+@dataclass
+class _Totals:
+    """What `fit` returns of its passes: samples and seconds trained, the last ones."""
+
+    samples: int = 0
+    seconds: float = 0.0
+    loss: float = math.nan
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class Trainer:
     """Trains a model with DDP over all ranks of `ctx`; `fit()` runs the loop.
 
@@ -342,7 +365,7 @@ class Trainer:
         # each batch, and ranks may hold unequal numbers of eval batches), compiled on its
         # own when training is (lazily: nothing is compiled before the first evaluation).
         bare = unwrap(self.model)
-        self._eval_model = cast(nn.Module, torch.compile(bare)) if config.compile else bare
+        eval_model = cast(nn.Module, torch.compile(bare)) if config.compile else bare
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model.parameters())
         self.optimizer = optimizer
@@ -376,22 +399,53 @@ class Trainer:
                 collate_fn=collate_fn,
             )
         )
+        # Autocast, fp16's loss scaling, clipping and the optimizer step: the helper a
+        # hand-written loop uses.
+        self.precision = Precision(config.precision, ctx)
+        self._evaluation = None
+        if self.eval_loader is not None:
+            self._evaluation = Evaluation(
+                eval_model,
+                self.eval_loader,
+                ctx,
+                config,
+                self.precision,
+                self._loss,
+                metrics_fn,
+                pairs=training_step is None,
+                sharded=self.strategy.shards_model,
+            )
+        self._decide_with(callbacks, eval_set)
+        self.log_fn = log_fn or print_line
+        self._bar = Bar(config, ctx)  # the training pass's (evaluate draws its own)
+        self._start_state()
+        # Which micro-batches make each optimizer step, with what weight: a hand-written
+        # loop's too. Over uneven shards the ranks agree on every step.
+        self.plan = StepPlan(self.train_loader, self.model, config.accumulate, ctx)
+        if self.plan.uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
+            raise ConfigError(
+                "a custom sampler or an IterableDataset can give ranks unequal numbers of "
+                "batches, and synchronized BatchNorm cannot run on a rank whose data has "
+                "run out while the others train: pass "
+                "sync_batchnorm=False, or let ddpkit shard the data (no train_sampler)"
+            )
+
+    def _decide_with(self, callbacks: Sequence[Callback], eval_set: Dataset[Any] | None) -> None:
+        """Take the callbacks, and check what the run decides from its evaluations (the
+        best, early stopping, ReduceLROnPlateau) now, not when the first epoch ends
+        (before its checkpoint) and finds nothing to decide from."""
+        config = self.config
         best = config.keep_best or ""
         if eval_set is None and _from_evaluation(best):
             raise ConfigError(
                 f"keep_best={best!r} is an evaluation's metric and this job has no eval set: "
                 "give the job an eval_set, or keep the best by 'loss'"
             )
-        # Autocast, fp16's loss scaling, clipping and the optimizer step: the helper a
-        # hand-written loop uses.
-        self.precision = Precision(config.precision, ctx)
         self.callbacks = list(callbacks)
         if config.early_stopping_patience is not None:
             self.callbacks.append(
                 EarlyStopping(config.early_stopping_metric, config.early_stopping_patience)
             )
-        # What the run decides from its evaluations is checked now, not when the first
-        # epoch ends (before its checkpoint) and finds nothing to decide from.
         stoppers = [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
         for stopper in stoppers:
             if eval_set is None and _from_evaluation(stopper.monitor):
@@ -407,8 +461,10 @@ class Trainer:
         # The step whose evaluation ReduceLROnPlateau and early stopping have judged: the
         # last step of an epoch may be due for two evaluations, which are one.
         self._judged_step = -1
-        self.log_fn = log_fn or print_line
-        self._bar = Bar(config, ctx)  # the training pass's (evaluate draws its own)
+
+    def _start_state(self) -> None:
+        """Where a new run stands: before its first step."""
+        device = self.ctx.device
         self.epoch = 0  # the epoch running, or the next one to run
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
@@ -418,28 +474,19 @@ class Trainer:
         # The running epoch's sums on this rank: its training loss times samples, and its
         # samples. A checkpoint written inside the epoch keeps every rank's, so that the
         # epoch's record after a resume covers all of it (`_resume_sums`).
-        self._loss_sum = torch.zeros((), device=ctx.device)
+        self._loss_sum = torch.zeros((), device=device)
         self._count = 0
         self._sums_epoch: int | None = None  # the epoch they are of
         self.should_stop = False
         self.best: float | None = None  # the best value of `config.keep_best` so far
         self._saved_step = -1  # the step of this run's newest checkpoint
         self._evaluated: tuple[int, dict[str, float]] = (-1, {})  # the newest evaluation
+        self._totals = _Totals()
         self._started = False  # fit() seeds (and resumes) once; a second fit() continues
         self._resumed_step: int | None = None  # the run log drops its records after it, once
         self._resumed_inside = False  # ... and that epoch's record: it resumed inside it
         self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
         self.last_checkpoint: Path | None = None
-        # Which micro-batches make each optimizer step, with what weight: a hand-written
-        # loop's too. Over uneven shards the ranks agree on every step.
-        self.plan = StepPlan(self.train_loader, self.model, config.accumulate, ctx)
-        if self.plan.uneven and config.sync_batchnorm and _has_batchnorm(unwrap(self.model)):
-            raise ConfigError(
-                "a custom sampler or an IterableDataset can give ranks unequal numbers of "
-                "batches, and synchronized BatchNorm cannot run on a rank whose data has "
-                "run out while the others train: pass "
-                "sync_batchnorm=False, or let ddpkit shard the data (no train_sampler)"
-            )
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> FitResult:
@@ -451,23 +498,50 @@ class Trainer:
         stop signal (SIGTERM, SIGUSR1, Ctrl-C) to any rank or to `launch` makes every
         rank save after the same step and raise `Preempted` (`config.on_signal`).
         """
-        lock = (
-            None
-            if self.config.checkpoint_dir is None
-            else lock_folder(self.config.checkpoint_dir, self.ctx)
-        )
+        cfg, model, device = self.config, self.model, self.ctx.device
+        lock = None if cfg.checkpoint_dir is None else lock_folder(cfg.checkpoint_dir, self.ctx)
+        runlog: RunLog | None = None
         try:
-            result = self._fit()
+            runlog = self._start()
+            with saving_on_signal() if self._vote else _NOTHING:
+                for epoch in self._epochs_left():
+                    run = self._start_epoch(epoch, runlog)
+                    try:  # the plan: which micro-batches make each step, with what weight
+                        for micro in run.micro_batches:
+                            batch = to_device(micro.batch, device)
+                            if micro.stand_in:  # no data left here: take part, change nothing
+                                model.eval()
+                            with self.strategy.skip_gradient_sync(model, not micro.ends_step):
+                                with self.precision.autocast():
+                                    loss, _ = self._loss(model, batch)
+                                # Uneven shards: the step's total over all ranks arrives
+                                # while the forward runs; the backward first needs it.
+                                self.precision.backward(micro.weighted(loss))
+                            if micro.stand_in:
+                                model.train()
+                            self._tally(run, micro, loss.detach())
+                            if micro.ends_step:
+                                self._optimizer_step(run.window)
+                                if self._after_step(run, runlog):
+                                    break
+                    finally:  # also on Ctrl-C: no half-drawn bar left on the screen
+                        self._bar.close()
+                    if self._end_epoch(run, runlog):
+                        break
+                result = self._finish(runlog)
             PENDING.wait()  # its checkpoints on disk while the folder is still locked
             return result
         except BaseException:
             PENDING.wait(quiet=True)  # the first error stays the one raised
             raise
         finally:
+            if runlog is not None:
+                runlog.close()  # closed already unless an error is on its way out
             if lock is not None:
                 lock.release()
 
-    def _fit(self) -> FitResult:
+    def _start(self) -> RunLog:
+        """Seed (and resume) once, open the run log, and say how the run trains."""
         cfg = self.config
         if not self._started:
             # The model was built from one seed on every rank; from here on each rank
@@ -478,11 +552,6 @@ class Trainer:
                 self._resume()  # restores every rank's own stream as it was saved
             if cfg.checkpoint_dir and cfg.on_signal == "save":
                 self._vote = StopVote(self.ctx)
-        with saving_on_signal() if self._vote else _NOTHING:
-            return self._epochs()
-
-    def _epochs(self) -> FitResult:
-        cfg = self.config
         # A resume from an older checkpoint trains its later steps again: their records go;
         # so does the record of the epoch it resumes inside, which it writes again.
         resumed, self._resumed_step = self._resumed_step, None
@@ -505,68 +574,16 @@ class Trainer:
         if runlog.kept is not None:
             self.say(f"{cfg.run_dir} held another run's records: kept as {runlog.kept.name}")
         self._call("on_fit_start")
-        samples, train_time, loss = 0, 0.0, math.nan
-        metrics: dict[str, float] = {}
-        limit = cfg.epoch_limit()
-        epochs = itertools.count(self.epoch) if limit is None else range(self.epoch, limit)
-        try:
-            # A resumed run that had stopped early (or trained every step) stays stopped.
-            for epoch in () if self._done() else epochs:
-                self._call("on_epoch_start", epoch)
-                self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
-                loss, n, trained, seconds, whole = self._train_epoch(epoch, runlog)
-                samples, train_time = samples + trained, train_time + seconds
-                self.samples_seen = self._seen_before_epoch + n
-                # A run by steps may end inside an epoch, which a resume then continues.
-                if whole:
-                    self.epoch, self.batch = epoch + 1, 0
-                    if self._scheduler_per_epoch():
-                        cast(LRScheduler, self.scheduler).step()
-                # The whole epoch's loss and samples, also when this run resumed inside
-                # it; the rate of what this run trained.
-                metrics = {
-                    "loss": loss,
-                    "samples": n,
-                    "samples_per_s": trained / max(seconds, 1e-9),
-                    "lr": self._lr(),
-                    "samples_seen": self.samples_seen,
-                }
-                if self.eval_loader is not None:
-                    metrics.update(self._evaluate_once())
-                runlog.write("epoch", self.global_step, {"epoch": epoch + 1, **metrics})
-                self.say(epoch_line(cfg, epoch, self.global_step, seconds, metrics))
-                if self._judged_step != self.global_step:  # else judged as it evaluated
-                    self._step_plateau(metrics)
-                self._call("on_epoch_end", epoch, metrics)  # early stopping checks here
-                self._judged_step = self.global_step  # all before the checkpoint holds it
-                improved = self._new_best(metrics)  # before the checkpoint that keeps it
-                last = self._done()
-                if cfg.checkpoint_dir and (
-                    last or (whole and cfg.save_every and self.epoch % cfg.save_every == 0)
-                ):
-                    self.save()
-                if improved:
-                    self._keep_best()
-                if last:
-                    break
-            if self._vote is not None:
-                self._vote.close()
-            # Without synchronized BatchNorm (or under FSDP, which never broadcasts
-            # buffers) each rank's running statistics drifted: end with rank 0's.
-            sync_buffers(self.model, self.ctx)
-        finally:
-            runlog.close()
-        result = FitResult(
-            epochs=self.epoch,
-            global_step=self.global_step,
-            samples_per_s=samples / train_time if train_time else 0.0,
-            final_loss=loss,
-            eval={k: v for k, v in metrics.items() if k.startswith("eval_") or k == "accuracy"},
-            checkpoint=self.last_checkpoint,
-            stopped_early=self.should_stop,
-        )
-        self._call("on_fit_end", result)
-        return result
+        self._totals = _Totals()
+        return runlog
+
+    def _epochs_left(self) -> Iterable[int]:
+        """The epochs to train; none for a resumed run that had stopped early (or
+        trained every step): it stays stopped."""
+        if self._done():
+            return ()
+        limit = self.config.epoch_limit()
+        return itertools.count(self.epoch) if limit is None else range(self.epoch, limit)
 
     def _done(self) -> bool:
         """Whether the run has nothing left to train: every epoch or step, or an early stop."""
@@ -577,24 +594,16 @@ class Trainer:
             or (cfg.max_steps is not None and self.global_step >= cfg.max_steps)
         )
 
-    def _train_epoch(self, epoch: int, runlog: RunLog) -> tuple[float, int, int, float, bool]:
-        """One pass over this rank's shard, or what is left of `max_steps`; returns the
-        epoch's global mean loss and samples (with those trained before a resume inside
-        it), the global samples of this pass, its seconds, and whether it was whole."""
-        model, device, world = self.model, self.ctx.device, self.ctx.world_size
-        model.train()
+    def _start_epoch(self, epoch: int, runlog: RunLog) -> _Pass:
+        """A pass over this rank's shard (or what is left of `max_steps`) begins."""
+        self._call("on_epoch_start", epoch)
+        self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
+        self.model.train()
         if self._sums_epoch != epoch:  # else resumed (or continued) inside it: go on
             # Accumulate on the device: calling .item() each step would stall the GPU.
-            self._loss_sum = torch.zeros((), device=device)
+            self._loss_sum = torch.zeros((), device=self.ctx.device)
             self._count, self._sums_epoch = 0, epoch
             self._seen_before_epoch = self.samples_seen
-        seen_at_start = self.samples_seen
-
-        def epoch_loss() -> float:
-            """The epoch's mean loss so far, all ranks (a collective: every rank calls it)."""
-            total, n = reduce_sums([self._loss_sum, self._count], self.ctx)
-            return total / max(n, 1)
-
         # Resumed from a checkpoint written mid-epoch: the loader starts after the
         # batches it had trained (`_resume`).
         skip, total = self.train_loader.next_pass()
@@ -610,61 +619,146 @@ class Trainer:
                 per_step=steps is not None,
             )
 
-        micro_batches = self.plan.micro_batches(bar)
         # Step logs cost a host sync each; keep their window only if someone reads it.
         window = None
         if runlog.active or self._bar.shown():
-            window = Window(device, self.ctx.world_size)
-        start = time.perf_counter()
-        whole = True
-        step_count = 0  # this rank's samples in the step running
-        try:
-            for micro in micro_batches:
-                step_now = micro.ends_step
-                size_b = count_samples(micro.batch)
-                batch = to_device(micro.batch, device)
-                if micro.stand_in:  # no data left here: take part in the step, change nothing
-                    model.eval()
-                with self.strategy.skip_gradient_sync(model, not step_now):
-                    with self.precision.autocast():
-                        loss, _ = self._loss(model, batch)
-                    # Uneven shards: the step's total over all ranks arrives while the
-                    # forward runs; the backward is the first thing that needs it.
-                    self.precision.backward(micro.weighted(loss))
-                if micro.stand_in:
-                    model.train()
-                else:
-                    self._loss_sum.add_(loss.detach().float(), alpha=size_b)
-                    self._count += size_b
-                    step_count += size_b
-                    if window is not None:
-                        window.add(loss.detach(), size_b)
-                if step_now:
-                    self.batch = micro.position  # where a checkpoint written now resumes
-                    # The step's samples over all ranks: agreed on shards of unequal
-                    # length (already read), else as many on every rank.
-                    agreed = micro.step_samples
-                    step_count = step_count * world if agreed is None else agreed
-                    self.samples_seen += step_count
-                    step_count = 0
-                    self._optimizer_step(window)
-                    self._after_step(window, runlog, epoch, epoch_loss)
-                    signum = self._vote.step() if self._vote is not None else 0
-                    if signum:  # every rank, after this same step
-                        raise Preempted(self.save(), self.global_step, signum)
-                    # On every rank: an early stop is decided from numbers of all ranks.
-                    if self.should_stop or (steps is not None and self.global_step >= steps):
-                        whole = False
-                        break
-        finally:  # also on Ctrl-C: no half-drawn bar left on the screen
-            self._bar.close()
+            window = Window(self.ctx.device, self.ctx.world_size)
+        return _Pass(epoch, self.plan.micro_batches(bar), window, self.samples_seen)
+
+    def _tally(self, run: _Pass, micro: MicroBatch, loss: torch.Tensor) -> None:
+        """Add a micro-batch's loss and samples to the epoch's sums; at a step's end,
+        the step's samples (all ranks) and where a checkpoint written now resumes."""
+        if not micro.stand_in:
+            n = count_samples(micro.batch)
+            self._loss_sum.add_(loss.float(), alpha=n)
+            self._count += n
+            run.step_samples += n
+            if run.window is not None:
+                run.window.add(loss, n)
+        if micro.ends_step:
+            self.batch = micro.position
+            # Agreed on shards of unequal length (already read), else as many on every rank.
+            agreed = micro.step_samples
+            world = self.ctx.world_size
+            self.samples_seen += run.step_samples * world if agreed is None else agreed
+            run.step_samples = 0
+
+    def _epoch_loss(self) -> float:
+        """The epoch's mean loss so far, all ranks (a collective: every rank calls it)."""
+        total, n = reduce_sums([self._loss_sum, self._count], self.ctx)
+        return total / max(n, 1)
+
+    def _end_epoch(self, run: _Pass, runlog: RunLog) -> bool:
+        """The pass is over: log, evaluate, judge and checkpoint the epoch; whether the
+        run is done."""
+        cfg, device, epoch = self.config, self.ctx.device, run.epoch
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - run.start
         # One collective for the epoch's log, run by every rank (all ranks end together).
         total_loss, n = reduce_sums([self._loss_sum, self._count], self.ctx)
-        trained = self._seen_before_epoch + int(n) - seen_at_start
-        return total_loss / max(n, 1), int(n), trained, seconds, whole
+        trained = self._seen_before_epoch + int(n) - run.seen_at_start
+        self._totals.samples += trained
+        self._totals.seconds += seconds
+        self._totals.loss = loss = total_loss / max(n, 1)
+        self.samples_seen = self._seen_before_epoch + int(n)
+        # A run by steps may end inside an epoch, which a resume then continues.
+        if run.whole:
+            self.epoch, self.batch = epoch + 1, 0
+            if self._scheduler_per_epoch():
+                cast(LRScheduler, self.scheduler).step()
+        # The whole epoch's loss and samples, also when this run resumed inside it; the
+        # rate of what this run trained.
+        metrics: dict[str, float] = {
+            "loss": loss,
+            "samples": int(n),
+            "samples_per_s": trained / max(seconds, 1e-9),
+            "lr": self._lr(),
+            "samples_seen": self.samples_seen,
+        }
+        if self.eval_loader is not None:
+            metrics.update(self._evaluate_once())
+        self._totals.metrics = metrics
+        runlog.write("epoch", self.global_step, {"epoch": epoch + 1, **metrics})
+        self.say(epoch_line(cfg, epoch, self.global_step, seconds, metrics))
+        if self._judged_step != self.global_step:  # else judged as it evaluated
+            self._step_plateau(metrics)
+        self._call("on_epoch_end", epoch, metrics)  # early stopping checks here
+        self._judged_step = self.global_step  # all before the checkpoint holds it
+        improved = self._new_best(metrics)  # before the checkpoint that keeps it
+        last = self._done()
+        if cfg.checkpoint_dir and (
+            last or (run.whole and cfg.save_every and self.epoch % cfg.save_every == 0)
+        ):
+            self.save()
+        if improved:
+            self._keep_best()
+        return last
+
+    def _finish(self, runlog: RunLog) -> FitResult:
+        if self._vote is not None:
+            self._vote.close()
+        # Without synchronized BatchNorm (or under FSDP, which never broadcasts buffers)
+        # each rank's running statistics drifted: end with rank 0's.
+        sync_buffers(self.model, self.ctx)
+        runlog.close()
+        totals = self._totals
+        result = FitResult(
+            epochs=self.epoch,
+            global_step=self.global_step,
+            samples_per_s=totals.samples / totals.seconds if totals.seconds else 0.0,
+            final_loss=totals.loss,
+            eval={k: v for k, v in totals.metrics.items() if _from_evaluation(k)},
+            checkpoint=self.last_checkpoint,
+            stopped_early=self.should_stop,
+        )
+        self._call("on_fit_end", result)
+        return result
+
+    def _after_step(self, run: _Pass, runlog: RunLog) -> bool:
+        """What follows an optimizer step: its log line, evaluation, checkpoint and stop
+        vote; whether the pass ends here (an early stop, or `max_steps` reached)."""
+        cfg, window = self.config, run.window
+        if window is not None and self.global_step % cfg.log_every == 0:
+            # Before this step's checkpoint: a run that ends right after it resumes with
+            # the next step, and the line would be lost. One host sync per log interval,
+            # on rank 0 only: no rank waits for another.
+            values = window.flush()
+            values.update(epoch=run.epoch, lr=self._lr(), samples_seen=self.samples_seen)
+            runlog.write("step", self.global_step, values)
+        if self.callbacks:
+            self._call("on_step_end", self.global_step)
+        # Evaluated before this step's checkpoint, so that the checkpoint holds the best
+        # (and every callback's state) as of this evaluation: a resume from it goes on
+        # from there, and never takes a worse step for the best.
+        every = cfg.eval_every_steps
+        improved = False
+        if every and self.eval_loader is not None and self.global_step % every == 0:
+            evaluation = self._evaluate_once()
+            runlog.write("eval", self.global_step, {"epoch": run.epoch, **evaluation})
+            self.say(" | ".join([f"step {self.global_step}", *eval_parts(evaluation)]))
+            # Judged as at an epoch's end, the training loss by the same name: the
+            # epoch's mean so far (at the epoch's last step, the epoch line's).
+            metrics = {"loss": self._epoch_loss(), **evaluation}
+            improved = self._new_best(metrics)
+            self._step_plateau(metrics)
+            for stopper in self.callbacks:
+                if isinstance(stopper, EarlyStopping):
+                    stopper.check(self, metrics)
+            self._judged_step = self.global_step
+        saves = cfg.save_every_steps
+        if saves and cfg.checkpoint_dir and self.global_step % saves == 0:
+            self.save()  # every rank, after the same step
+        if improved:
+            self._keep_best()
+        self._bar.step_done(window)
+        signum = self._vote.step() if self._vote is not None else 0
+        if signum:  # every rank, after this same step
+            raise Preempted(self.save(), self.global_step, signum)
+        # On every rank: an early stop is decided from numbers of all ranks.
+        steps = cfg.max_steps
+        run.whole = not (self.should_stop or (steps is not None and self.global_step >= steps))
+        return not run.whole
 
     def _optimizer_step(self, window: Window | None) -> None:
         prec = self.precision
@@ -696,47 +790,6 @@ class Trainer:
             return self.config.run_dir is not None
         return window is not None
 
-    def _after_step(
-        self, window: Window | None, runlog: RunLog, epoch: int, epoch_loss: Callable[[], float]
-    ) -> None:
-        if window is not None and self.global_step % self.config.log_every == 0:
-            # Before this step's checkpoint: a run that ends right after it resumes with
-            # the next step, and the line would be lost. One host sync per log interval,
-            # on rank 0 only: no rank waits for another.
-            values = window.flush()
-            values.update(epoch=epoch, lr=self._lr(), samples_seen=self.samples_seen)
-            runlog.write("step", self.global_step, values)
-        if self.callbacks:
-            self._call("on_step_end", self.global_step)
-        cfg = self.config
-        # Evaluated before this step's checkpoint, so that the checkpoint holds the best
-        # (and every callback's state) as of this evaluation: a resume from it goes on
-        # from there, and never takes a worse step for the best.
-        every = cfg.eval_every_steps
-        improved = False
-        if every and self.eval_loader is not None and self.global_step % every == 0:
-            evaluation = self._evaluate_once()
-            runlog.write("eval", self.global_step, {"epoch": epoch, **evaluation})
-            self.say(" | ".join([f"step {self.global_step}", *eval_parts(evaluation)]))
-            # Judged as at an epoch's end, the training loss by the same name: the
-            # epoch's mean so far (at the epoch's last step, the epoch line's).
-            metrics = {"loss": epoch_loss(), **evaluation}
-            improved = self._new_best(metrics)
-            self._step_plateau(metrics)
-            for stopper in self.callbacks:
-                if isinstance(stopper, EarlyStopping):
-                    stopper.check(self, metrics)
-            self._judged_step = self.global_step
-        if (
-            cfg.save_every_steps
-            and cfg.checkpoint_dir
-            and self.global_step % cfg.save_every_steps == 0
-        ):
-            self.save()  # every rank, after the same step
-        if improved:
-            self._keep_best()
-        self._bar.step_done(window)
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Exact loss (and accuracy for class logits) over the whole eval set.
@@ -746,56 +799,10 @@ class Trainer:
         gathers parameters, so a rank with fewer batches runs a stand-in batch through
         the same forwards (the loss's and metrics_fn's), uncounted. Call on every rank.
         """
-        if self.eval_loader is None:
+        if self._evaluation is None:
             raise ConfigError("evaluate() needs an eval_set: pass Trainer(..., eval_set=...)")
         sync_buffers(self.model, self.ctx)  # rank 0's BatchNorm statistics on every rank
-        bare, model = unwrap(self.model), self._eval_model  # model: compiled with `compile`
-        was_training = bare.training
-        bare.eval()
-        device = self.ctx.device
-        sums: dict[str, torch.Tensor] = {}  # each metric's sum over this rank's samples
-        count, classify = 0, False
-        batches = 0
-        bar = Bar(self.config, self.ctx)  # evaluate() may run mid-epoch, beside the pass's
-        try:
-            cap, length = self.config.eval_max_batches, _length(self.eval_loader)
-            if cap is not None and length is not None:
-                length = min(length, cap)
-            for batch in bar.wrap(self.eval_loader, "eval", length):
-                if cap is not None and batches >= cap:
-                    break
-                batches += 1
-                n = count_samples(batch)
-                batch = to_device(batch, device)
-                loss, outputs, own = self._eval_forwards(model, batch)
-                # Under the names they are reported by, apart from ddpkit's own loss
-                # and top-1 accuracy: a metrics_fn's "accuracy" is eval_accuracy.
-                values = {f"eval_{k}": v for k, v in own.items()}
-                values["loss"] = loss
-                targets = batch[1] if self.training_step is None and is_pair(batch) else None
-                if _class_logits(outputs, targets):
-                    classify = True
-                    values["accuracy"] = (outputs.argmax(dim=1) == targets).float().mean()
-                for name, value in values.items():
-                    weighted = torch.as_tensor(value, device=device).detach().double() * n
-                    sums[name] = sums[name] + weighted if name in sums else weighted
-                count += n
-            if self.strategy.shards_model:
-                self._gather_as_often_as_rank_0(model, batches)
-        finally:
-            bar.close()
-        bare.train(was_training)
-        # Every rank reduces the same names in the same order, even one with no batch.
-        names = ["loss", *(self._metric_names(sums)), "accuracy"]
-        zero = torch.zeros((), device=device, dtype=torch.float64)
-        totals = reduce_sums([*(sums.get(k, zero) for k in names), count, int(classify)], self.ctx)
-        *values_sum, total, any_classify = totals
-        means = {k: v / max(total, 1.0) for k, v in zip(names, values_sum, strict=True)}
-        metrics: dict[str, float] = {"eval_loss": means.pop("loss"), "eval_samples": total}
-        accuracy = means.pop("accuracy")
-        metrics.update(means)  # metrics_fn's, named eval_*
-        if any_classify:
-            metrics["accuracy"] = accuracy
+        metrics = self._evaluation.run()
         self._call("on_evaluate", metrics)
         return metrics
 
@@ -826,43 +833,6 @@ class Trainer:
         if self._evaluated[0] != self.global_step:
             self._evaluated = self.global_step, self.evaluate()
         return self._evaluated[1]
-
-    def _gather_as_often_as_rank_0(self, model: nn.Module, batches: int) -> None:
-        """Run uncounted forwards until this rank has run as many as rank 0, which holds
-        the most eval batches (shards differ by at most one sample): FSDP's parameter
-        gathers must pair up over the ranks. Each runs the loss's and metrics_fn's
-        forwards, as a real batch does (`_eval_forwards`)."""
-        loader = cast(DataLoader[Any], self.eval_loader)
-        shard = cast(ShardSampler, loader.sampler)
-        longest = math.ceil(
-            len(range(0, shard.length, shard.world_size)) / (loader.batch_size or 1)
-        )
-        if self.config.eval_max_batches is not None:
-            longest = min(longest, self.config.eval_max_batches)
-        if batches >= longest:
-            return
-        # The eval set's first sample stands in (a rank may have had none at all). The
-        # loader draws its seed from a generator of its own: from the global one, it
-        # would move this rank's random stream (and a resume that evaluates again, at
-        # the end of the epoch it saved in, would then drift from the straight run).
-        first = DataLoader(
-            loader.dataset,
-            batch_size=1,
-            collate_fn=loader.collate_fn,
-            generator=torch.Generator().manual_seed(0),
-        )
-        stand_in = to_device(next(iter(first)), self.ctx.device)
-        for _ in range(longest - batches):
-            self._eval_forwards(model, stand_in)  # its results are dropped: weight 0
-
-    def _eval_forwards(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any, Any]:
-        """(loss, the model's outputs or None, metrics_fn's values) of one eval batch.
-        A stand-in batch runs exactly these forwards too, so that under FSDP every rank
-        gathers as often as the others, whatever metrics_fn does with the model."""
-        with self.precision.autocast():
-            loss, outputs = self._loss(model, batch)
-            own = self.metrics_fn(model, batch) if self.metrics_fn else {}
-        return loss, outputs, own
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -1031,21 +1001,6 @@ class Trainer:
             return self.training_step(model, batch), None
         return default_step(model, batch, self.loss_fn)
 
-    def _metric_names(self, sums: dict[str, torch.Tensor]) -> list[str]:
-        """The names metrics_fn gave (as eval_<name>), the same list on every rank (rank
-        0's: a rank with no eval batch has seen none, and rank 0 has the most samples)."""
-        names = [k for k in sums if k not in ("loss", "accuracy")]
-        if self.metrics_fn is None:
-            return names
-        if self.ctx.distributed:
-            names = broadcast_object(names)
-        for name in set(names) & {"eval_loss", "eval_samples"}:  # every rank raises
-            raise ConfigError(
-                f"metrics_fn returned {name[5:]!r}, reported as {name}, which is the "
-                f"evaluation's own: rename it (e.g. 'my_{name[5:]}')"
-            )
-        return names
-
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
@@ -1101,24 +1056,6 @@ def _plateau_metric(
             f"better {'higher' if mode == 'max' else 'lower'}: pass mode={mode!r}"
         )
     return name
-
-
-def _class_logits(outputs: Any, targets: Any) -> bool:
-    """Whether `outputs` are class scores for integer `targets` (accuracy applies)."""
-    return (
-        isinstance(outputs, torch.Tensor)
-        and isinstance(targets, torch.Tensor)
-        and outputs.ndim == 2
-        and outputs.shape[1] > 1
-        and not targets.is_floating_point()
-    )
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:  # an IterableDataset without __len__
-        return None
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
