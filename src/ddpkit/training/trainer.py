@@ -1,7 +1,9 @@
 """Trainer: the training loop of a DDP job, with everything around it (accumulation,
 mixed precision, evaluation, logging, checkpoints and exact resume).
 
-Read `_fit` top to bottom: it is the loop."""
+Read `fit` top to bottom: it is the loop, over the step plan (`ddpkit.parallel.steps`)
+that a hand-written loop uses too. What it shows is in `progress`, its evaluation in
+`evaluation`."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from ddpkit.training.evaluation import Evaluation
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import Dataset, Sampler
@@ -24,7 +25,7 @@ from torch.utils.data import Dataset, Sampler
 from ddpkit.checkpoint.pt import find_checkpoint, keep_as_best, lock_folder
 from ddpkit.checkpoint.state import checkpoint_state, restore, save_state
 from ddpkit.context import DistContext
-from ddpkit.errors import CheckpointError, ConfigError, Preempted
+from ddpkit.errors import ConfigError, Preempted
 from ddpkit.parallel.batches import (
     LossFn,
     MetricsFn,
@@ -44,6 +45,14 @@ from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything, set_rng_state
 from ddpkit.storage import PENDING
 from ddpkit.training.config import TrainConfig
+from ddpkit.training.decisions import (
+    callback_states,
+    from_evaluation,
+    higher_is_better,
+    load_callback_states,
+    plateau_metric,
+)
+from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.progress import (
     Bar,
     Window,
@@ -156,68 +165,6 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best, self.bad_epochs = float(state["best"]), int(state["bad_epochs"])
-
-
-def callback_keys(callbacks: Sequence[Callback]) -> list[str]:
-    """Each callback's key in a checkpoint: its `state_key`, then `#1`, `#2`, ... for
-    the second, third, ... callback of the same key."""
-    seen: dict[str, int] = {}
-    keys = []
-    for cb in callbacks:
-        key = cb.state_key
-        seen[key] = n = seen.get(key, -1) + 1
-        keys.append(f"{key}#{n}" if n else key)
-    return keys
-
-
-def callback_states(callbacks: Sequence[Callback]) -> dict[str, dict[str, Any]]:
-    """What a checkpoint keeps of `callbacks`: each one's state under its key."""
-    return {
-        key: cb.state_dict() for key, cb in zip(callback_keys(callbacks), callbacks, strict=True)
-    }
-
-
-def load_callback_states(callbacks: Sequence[Callback], saved: Any, path: Path) -> list[str]:
-    """Give each of `callbacks` the state checkpoint `path` keeps under its key (one
-    with none starts afresh); return the keys of saved states that no callback took.
-
-    An older checkpoint keeps a list by position: its states that hold something go,
-    in order, to the callbacks whose state holds something, where they pair up one for
-    one with the same names in each pair; otherwise CheckpointError."""
-    if isinstance(saved, list):
-        saved = _by_position(callbacks, saved, path)
-    saved = dict(saved or {})
-    keys = callback_keys(callbacks)
-    for key, cb in zip(keys, callbacks, strict=True):
-        if key in saved:
-            cb.load_state_dict(saved[key])
-    return [key for key, state in saved.items() if state and key not in keys]
-
-
-def _by_position(
-    callbacks: Sequence[Callback], saved: list[Any], path: Path
-) -> dict[str, dict[str, Any]]:
-    """An older checkpoint's list of callback states, keyed as `load_callback_states`
-    says it may be."""
-    states = [s for s in saved if s]
-    keyed = [
-        (k, cb.state_dict()) for k, cb in zip(callback_keys(callbacks), callbacks, strict=True)
-    ]
-    takers = [(key, state) for key, state in keyed if state]
-    if len(states) != len(takers) or any(
-        set(state) != set(mine) for state, (_, mine) in zip(states, takers, strict=True)
-    ):
-        raise CheckpointError(
-            f"{path} keeps its callbacks' states by position (an older ddpkit), and this "
-            "run's callbacks do not match them: resume once with the callbacks that saved "
-            "it, in the same order (its next checkpoints keep them by name)"
-        )
-    return {key: state for (key, _), state in zip(takers, states, strict=True)}
-
-
-def higher_is_better(metric: str) -> bool:
-    """Whether a larger `metric` is better: accuracy and the like; a loss is not."""
-    return any(w in metric for w in ("acc", "f1", "auc", "precision"))
 
 
 @dataclass
@@ -343,29 +290,7 @@ class Trainer:
                 "built after sharding: pass optimizer=lambda params: torch.optim.AdamW("
                 "params, lr=3e-4) (and a scheduler as lambda opt: ...)"
             )
-        self.model = prepare_model(
-            model,
-            ctx,
-            sync_batchnorm=config.sync_batchnorm,
-            find_unused_parameters=config.find_unused_parameters,
-            bucket_cap_mb=config.bucket_cap_mb,
-            grad_compression=config.grad_compression,
-            strategy=self.strategy,
-            fsdp={
-                "precision": config.precision,
-                "offload": config.fsdp_offload,
-                "reshard_after_forward": config.fsdp_reshard_after_forward,
-            },
-        )
-        if config.compile:
-            # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
-            # bucket boundaries, so communication still overlaps the backward pass.
-            self.model = cast(nn.Module, torch.compile(self.model))
-        # What `evaluate` runs: the bare model (DDP's forward would broadcast buffers at
-        # each batch, and ranks may hold unequal numbers of eval batches), compiled on its
-        # own when training is (lazily: nothing is compiled before the first evaluation).
-        bare = unwrap(self.model)
-        eval_model = cast(nn.Module, torch.compile(bare)) if config.compile else bare
+        eval_model = self._prepare_model(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model.parameters())
         self.optimizer = optimizer
@@ -376,29 +301,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.training_step = training_step
         self.metrics_fn = metrics_fn
-        self.train_loader = prepare_loader(
-            train_set,
-            ctx,
-            config.batch_size,
-            seed=config.seed,
-            sampler=train_sampler,
-            replacement=config.replacement,
-            num_workers=config.num_workers,
-            drop_last=config.drop_last,
-            collate_fn=collate_fn,
-        )
-        self.eval_loader = (
-            None
-            if eval_set is None
-            else prepare_loader(
-                eval_set,
-                ctx,
-                config.batch_size,
-                evaluation=True,
-                num_workers=config.num_workers,
-                collate_fn=collate_fn,
-            )
-        )
+        self._prepare_loaders(train_set, eval_set, train_sampler, collate_fn)
         # Autocast, fp16's loss scaling, clipping and the optimizer step: the helper a
         # hand-written loop uses.
         self.precision = Precision(config.precision, ctx)
@@ -430,13 +333,75 @@ class Trainer:
                 "sync_batchnorm=False, or let ddpkit shard the data (no train_sampler)"
             )
 
+    def _prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move, synchronise BatchNorm, wrap (DDP or FSDP) and compile the model as the
+        config says; return the model that `evaluate` runs."""
+        config = self.config
+        self.model = prepare_model(
+            model,
+            self.ctx,
+            sync_batchnorm=config.sync_batchnorm,
+            find_unused_parameters=config.find_unused_parameters,
+            bucket_cap_mb=config.bucket_cap_mb,
+            grad_compression=config.grad_compression,
+            strategy=self.strategy,
+            fsdp={
+                "precision": config.precision,
+                "offload": config.fsdp_offload,
+                "reshard_after_forward": config.fsdp_reshard_after_forward,
+            },
+        )
+        if config.compile:
+            # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
+            # bucket boundaries, so communication still overlaps the backward pass.
+            self.model = cast(nn.Module, torch.compile(self.model))
+        # What `evaluate` runs: the bare model (DDP's forward would broadcast buffers at
+        # each batch, and ranks may hold unequal numbers of eval batches), compiled on its
+        # own when training is (lazily: nothing is compiled before the first evaluation).
+        bare = unwrap(self.model)
+        return cast(nn.Module, torch.compile(bare)) if config.compile else bare
+
+    def _prepare_loaders(
+        self,
+        train_set: Dataset[Any],
+        eval_set: Dataset[Any] | None,
+        train_sampler: Sampler[Any] | None,
+        collate_fn: Callable[[list[Any]], Any] | None,
+    ) -> None:
+        """The training loader (each rank its shard) and the eval loader (every sample
+        once)."""
+        config = self.config
+        self.train_loader = prepare_loader(
+            train_set,
+            self.ctx,
+            config.batch_size,
+            seed=config.seed,
+            sampler=train_sampler,
+            replacement=config.replacement,
+            num_workers=config.num_workers,
+            drop_last=config.drop_last,
+            collate_fn=collate_fn,
+        )
+        self.eval_loader = (
+            None
+            if eval_set is None
+            else prepare_loader(
+                eval_set,
+                self.ctx,
+                config.batch_size,
+                evaluation=True,
+                num_workers=config.num_workers,
+                collate_fn=collate_fn,
+            )
+        )
+
     def _decide_with(self, callbacks: Sequence[Callback], eval_set: Dataset[Any] | None) -> None:
         """Take the callbacks, and check what the run decides from its evaluations (the
         best, early stopping, ReduceLROnPlateau) now, not when the first epoch ends
         (before its checkpoint) and finds nothing to decide from."""
         config = self.config
         best = config.keep_best or ""
-        if eval_set is None and _from_evaluation(best):
+        if eval_set is None and from_evaluation(best):
             raise ConfigError(
                 f"keep_best={best!r} is an evaluation's metric and this job has no eval set: "
                 "give the job an eval_set, or keep the best by 'loss'"
@@ -448,7 +413,7 @@ class Trainer:
             )
         stoppers = [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
         for stopper in stoppers:
-            if eval_set is None and _from_evaluation(stopper.monitor):
+            if eval_set is None and from_evaluation(stopper.monitor):
                 raise ConfigError(
                     f"early stopping watches {stopper.monitor!r}, an evaluation's metric, and "
                     "this job has no eval set: give the job an eval_set, or watch 'loss' "
@@ -457,7 +422,9 @@ class Trainer:
         # The metric ReduceLROnPlateau steps with, at each evaluation; None for others.
         self._plateau: str | None = None
         if isinstance(self.scheduler, ReduceLROnPlateau):
-            self._plateau = _plateau_metric(self.scheduler, config, stoppers, eval_set)
+            self._plateau = plateau_metric(
+                self.scheduler, config, stoppers[0].monitor if stoppers else None, eval_set
+            )
         # The step whose evaluation ReduceLROnPlateau and early stopping have judged: the
         # last step of an epoch may be due for two evaluations, which are one.
         self._judged_step = -1
@@ -708,7 +675,7 @@ class Trainer:
             global_step=self.global_step,
             samples_per_s=totals.samples / totals.seconds if totals.seconds else 0.0,
             final_loss=totals.loss,
-            eval={k: v for k, v in totals.metrics.items() if _from_evaluation(k)},
+            eval={k: v for k, v in totals.metrics.items() if from_evaluation(k)},
             checkpoint=self.last_checkpoint,
             stopped_early=self.should_stop,
         )
@@ -1022,40 +989,6 @@ def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
     return total
-
-
-def _from_evaluation(metric: str) -> bool:
-    """Whether `metric` is one only an evaluation reports (a metrics_fn's are eval_*)."""
-    return metric.startswith("eval_") or metric == "accuracy"
-
-
-def _plateau_metric(
-    scheduler: ReduceLROnPlateau,
-    config: TrainConfig,
-    stoppers: list[EarlyStopping],
-    eval_set: Dataset[Any] | None,
-) -> str:
-    """The metric a ReduceLROnPlateau steps with, at each evaluation: the one the run
-    keeps its best by, else the one early stopping watches, else the eval loss. What
-    cannot work is refused here, before training."""
-    name = config.keep_best or (stoppers[0].monitor if stoppers else "eval_loss")
-    if eval_set is None:
-        raise ConfigError(
-            f"ReduceLROnPlateau steps at each evaluation, with {name}, and this job has no "
-            "eval set: give the job an eval_set, or use another scheduler"
-        )
-    if config.scheduler_interval != "epoch":
-        raise ConfigError(
-            f"ReduceLROnPlateau steps at each evaluation, with {name}, not after each "
-            "optimizer step: leave scheduler_interval at 'epoch'"
-        )
-    mode = "max" if higher_is_better(name) else "min"
-    if scheduler.mode != mode:
-        raise ConfigError(
-            f"ReduceLROnPlateau(mode={scheduler.mode!r}) would step with {name!r}, which is "
-            f"better {'higher' if mode == 'max' else 'lower'}: pass mode={mode!r}"
-        )
-    return name
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
