@@ -201,11 +201,47 @@ def test_no_package_shadows_a_public_name() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# One home each (issue 45): a tensor's bytes are hashed only by `ddpkit.hashing`. A
-# second copy drifts: a digest that differs between two places for equal bits.
+# One home each (issue 45): a file is put in place whole (written beside its name, then
+# renamed over it) only by `ddpkit.storage`, and a tensor's bytes are hashed only by
+# `ddpkit.hashing`. A second copy of either drifts: a temporary name the next job does
+# not clear, a missing fsync, a digest that differs between two places for equal bits.
+RENAMES_HOME = "ddpkit.storage"
 HASHING_HOME = "ddpkit.hashing"
 # Reading a tensor's raw bytes: in a module that uses hashlib, that is hashing a tensor.
 _TENSOR_BYTES = re.compile(r"\.view\(torch\.uint8\)|\.untyped_storage\(\)|\.numpy\(\)")
+
+
+def _renames(tree: ast.AST) -> list[int]:
+    """The lines of `tree` that rename a file or make one to rename: os.replace,
+    os.rename (called or imported), Path.rename, Path.replace (one argument:
+    str.replace takes two), tempfile.mkstemp; not storage.rename, the home's own."""
+    lines = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and any(alias.name in ("replace", "rename") for alias in node.names)
+        ):
+            lines.append(node.lineno)
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        attr, owner = node.func.attr, node.func.value
+        on = owner.id if isinstance(owner, ast.Name) else None
+        one_path = attr == "replace" and len(node.args) == 1 and not node.keywords
+        renames = attr in ("rename", "mkstemp") and on != "storage"
+        if (on == "os" and attr == "replace") or renames or one_path:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_files_are_renamed_into_place_only_by_storage() -> None:
+    wrong = [
+        f"{name}:{line}"
+        for name in _modules()
+        if name != RENAMES_HOME
+        for line in _renames(ast.parse(_source(name).read_text()))
+    ]
+    assert wrong == []
 
 
 def test_tensors_are_hashed_only_in_one_module() -> None:
@@ -218,9 +254,16 @@ def test_tensors_are_hashed_only_in_one_module() -> None:
     assert wrong == []
 
 
-def test_the_scan_finds_what_it_looks_for() -> None:
-    """The scan above, on code that does what it forbids (and on code that does not),
-    so that it cannot pass by finding nothing."""
+def test_the_scans_find_what_they_look_for() -> None:
+    """The two scans above, on code that does what they forbid (and on code that does
+    not), so that they cannot pass by finding nothing."""
+    renames = (
+        "import os\nfrom os import replace\nos.replace(a, b)\nos.rename(a, b)\n"
+        "Path(a).rename(b)\nPath(a).replace(b)\ntempfile.mkstemp(dir=d)\n"
+        "s.replace('x', 'y')\ndataclasses.replace(c, n=1)\nt.replace(year=1)\n"
+        "storage.rename(a, b)\n"
+    )
+    assert _renames(ast.parse(renames)) == [2, 3, 4, 5, 6, 7]
     assert _TENSOR_BYTES.search("hashlib.sha1(flat.view(torch.uint8).numpy())")
     assert not _TENSOR_BYTES.search("hashlib.sha256(data).hexdigest()")
 

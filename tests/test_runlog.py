@@ -156,6 +156,17 @@ def test_a_logger_that_cannot_start_leaves_the_folder_as_it_was(
     assert _contents(tmp_path) == before
 
 
+def test_a_folder_named_config_json_stops_the_start_and_is_kept(tmp_path: Path) -> None:
+    """config.json is put in place whole by a rename, which never replaces a folder of
+    that name (and so never deletes what it holds)."""
+    (tmp_path / "config.json").mkdir()
+    (tmp_path / "config.json" / "mine.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"config\.json: Is a directory"):
+        RunLog(str(tmp_path), {"resume": False}, enabled=True)
+    assert (tmp_path / "config.json" / "mine.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
 # -- a resume from an older checkpoint (issue 43, D05) -------------------------------------
 def _fit_logged(ctx: Any, run_dir: str, resume: bool) -> None:
     """3 epochs of 6 steps on 2 ranks, a step record every 2 steps, an evaluation every 4

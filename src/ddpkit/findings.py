@@ -15,6 +15,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from ddpkit.storage import write_json
+
 
 class Severity(str, Enum):
     """How bad a finding is.
@@ -87,7 +89,7 @@ def summary(findings: Sequence[Finding], files_checked: int | None) -> str:
 def write_audit_log(folder: str | Path, found: Sequence[Finding], exit_status: int) -> None:
     """`DIR/audit.json`: what an audited run committed, and how it ended."""
     document = {"exit_status": exit_status, "findings": [f.to_dict() for f in found]}
-    Path(folder, AUDIT_LOG).write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    write_json(Path(folder, AUDIT_LOG), document, indent=2)
 
 
 def read_audit_log(folder: str | Path) -> tuple[list[Finding], int]:

@@ -23,9 +23,10 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from ddpkit.errors import CheckpointError
 
@@ -277,10 +278,13 @@ def install(tmp: Path, path: Path, retire: list[Path], *, durable: bool = True) 
     older folder at `path`, is first renamed aside, then `tmp` is renamed in, then the
     ones set aside are deleted. A kill at any moment leaves every name whole (at worst
     `path` and `retire` are all gone, their bytes under hidden names the next job
-    clears). When the rename of `tmp` fails, the ones set aside get their names back."""
+    clears). When the rename of `tmp` fails, the ones set aside get their names back. A
+    file `tmp` never replaces a folder at `path` (IsADirectoryError, nothing changed)."""
     # A folder cannot be renamed over another one that is not empty, and deleting it
     # first would damage it under its name: it is set aside as the retired ones are.
     replaced = [path] if path.is_dir() and not path.is_symlink() else []
+    if replaced and not tmp.is_dir():  # a file never takes a folder's place (os.replace's error)
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     aside: list[tuple[Path, Path]] = []
     try:
         for old in [*retire, *replaced]:
@@ -298,6 +302,76 @@ def install(tmp: Path, path: Path, retire: list[Path], *, durable: bool = True) 
         fsync_folder(path.parent)
     for _, moved in aside:
         delete(moved)
+
+
+def rename(path: Path, new: Path) -> None:
+    """Give the file or folder `path` the name `new` (in the same folder): one rename,
+    so a kill leaves it under one of the two names, whole."""
+    os.rename(path, new)
+
+
+# -- writing a file whole -------------------------------------------------------------
+# Every file ddpkit writes for others to read while it runs, or after it died (a
+# checkpoint, config.json, metrics.jsonl rewritten on resume, a csv logger's file given
+# new columns, the hang watch's and the audit's reports), is written under a temporary
+# name beside its own and renamed over it: a reader, or a job after a kill or a full
+# disk, finds the old file or the new one, never half of one.
+
+# What a file holds: bytes, text (written as UTF-8), or a function that writes it to
+# the open binary file (`torch.save`, which streams: no copy in memory).
+Content = bytes | str | Callable[[BinaryIO], object]
+
+
+def stage(path: Path, content: Content, *, durable: bool = True) -> Path:
+    """Write `content` to a new temporary file beside `path` (`temporary_name`), for
+    `install` to give it the name `path`; with `durable`, on disk (fsync) before this
+    returns. The temporary file; or the error, with no file left behind."""
+    tmp = temporary_name(path)
+    # O_EXCL: a new file of this process's own; mode 0o666 less the umask, as open() gives.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if isinstance(content, str):
+                f.write(content.encode("utf-8"))
+            elif isinstance(content, bytes):
+                f.write(content)
+            else:
+                content(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        delete(tmp)
+        raise
+    return tmp
+
+
+def write(
+    path: Path, content: Content, *, durable: bool = True, retire: list[Path] | None = None
+) -> None:
+    """Put `content` under the name `path` whole (`stage`, then `install` with `retire`).
+    `durable`: the file and its name are on disk (fsync) before this returns; without
+    it, a power cut (not a kill of the process) may lose the new file. On an error (a
+    full disk), `path` and `retire` are as they were and no temporary file is left."""
+    tmp = stage(path, content, durable=durable)
+    try:
+        install(tmp, path, retire or [], durable=durable)
+    except BaseException:
+        delete(tmp)  # nothing when the rename was done and only the folder's fsync failed
+        raise
+
+
+def write_json(
+    path: Path,
+    data: Any,
+    *,
+    durable: bool = False,
+    indent: int | None = None,
+    default: Callable[[Any], Any] | None = None,
+) -> None:
+    """Write `data` as JSON (one line, or indented by `indent`) to `path` whole (`write`);
+    `default` as json.dumps takes it."""
+    write(path, json.dumps(data, indent=indent, default=default) + "\n", durable=durable)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,7 @@ from ddpkit.storage import (
     os_error_in,
     temporary_name,
     this_process,
+    write,
     write_failure,
 )
 
@@ -127,7 +128,7 @@ Sync = Literal["now", "later", "never"]
 def _write_atomically(
     obj: Any, path: Path, retire: list[Path] | None = None, *, sync: Sync = "now"
 ) -> None:
-    """Write `obj` to `path` by a temporary file and a rename.
+    """Write `obj` to `path` by a temporary file and a rename (`storage.write`).
 
     `sync` "now": the file is on disk (fsync) before it gets its name, and `retire`
     (older checkpoints) leave their names just before (`storage.install`). "later": it
@@ -136,36 +137,25 @@ def _write_atomically(
     its older bytes are gone with the rename. "never": no fsync (`retire` as "now").
     """
     later = sync == "later" and not path.exists()
-    me = this_process()
-    prefix = f".{path.name}.{me.pid}@{host_token(me.host)}."
+    saving = False  # once the file is made: a failure from then on may need its size
+
+    def save(f: BinaryIO) -> None:
+        nonlocal saving
+        saving = True
+        torch.save(obj, f)
+
     try:
-        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
-    except OSError as exc:  # no inode left, say
-        what, fix = write_failure(exc, path.parent)
-        raise _WriteFailed(f"cannot write checkpoint {path}: {what}", fix) from None
-    try:
-        # mkstemp makes the file private (0600); give it the mode a plain open() would.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            if sync != "never" and not later:
-                f.flush()
-                os.fsync(f.fileno())
-        if later:
-            install(Path(tmp), path, [], durable=False)
-            PENDING.later(path, retire or [])
-        else:
-            install(Path(tmp), path, retire or [], durable=sync != "never")
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        error = os_error_in(exc) if isinstance(exc, Exception) else None
+        # "later": its name at once, no fsync; the thread below makes it durable.
+        write(path, save, durable=sync != "never" and not later, retire=[] if later else retire)
+    except Exception as exc:
+        error = os_error_in(exc)
         if error is None:
             raise  # not the disk's doing (say an object torch cannot save): as it was
-        needed = _serialised_size(obj) if error.errno in _ROOM_ERRNOS else None
-        what, fix = write_failure(error, path.parent, needed)
+        room = saving and error.errno in _ROOM_ERRNOS
+        what, fix = write_failure(error, path.parent, _serialised_size(obj) if room else None)
         raise _WriteFailed(f"cannot write checkpoint {path}: {what}", fix) from None
+    if later:
+        PENDING.later(path, retire or [])
 
 
 _ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.findings import Finding, Severity, format_text, summary
-from ddpkit.processes.watchdog import write_json
+from ddpkit.storage import write_json
 
 # Set by `ddpkit run --audit` for its workers.
 AUDIT_ENV = "DDPKIT_AUDIT"

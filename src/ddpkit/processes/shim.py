@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import RUN_WORKER
+from ddpkit.storage import write_json
 
 
 def _status_folder() -> Path | None:
@@ -73,7 +74,6 @@ def _note_process_group(folder: Path, rank: int) -> None:
 def _refused(folder: Path | None, rank: int, exc: BaseException) -> int:
     """A call that `ddpkit run --cpu` cannot rehearse: the agent says it in one line."""
     from ddpkit.processes.rehearse import REFUSED_EXIT
-    from ddpkit.processes.watchdog import write_json
 
     if folder is None:
         print(f"ddpkit: {exc}", file=sys.stderr, flush=True)
@@ -92,7 +92,7 @@ def main() -> None:
     from ddpkit.processes import audit, preemption, rehearse
     from ddpkit.processes.audit import AUDIT_ENV
     from ddpkit.processes.launcher import ReleasedByLaunch
-    from ddpkit.processes.watchdog import Watchdog, record_error, write_json
+    from ddpkit.processes.watchdog import Watchdog, record_error
     from ddpkit.processes.workers import die_with_parent, exit_now
 
     # Never outlive the agent, even if it is killed with SIGKILL.

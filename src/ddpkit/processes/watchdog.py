@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from ddpkit.collectives import COLLECTIVES, POINT_TO_POINT
+from ddpkit.storage import write_json
 
 # torch's own frames too: a rank blocked in DDP's gradient all-reduce sits in
 # torch/autograd/graph.py, but the line to show is the user's `loss.backward()`.
@@ -64,13 +64,6 @@ _PLUMBING = (
     "ddpkit/processes/audit.py",
     "ddpkit/processes/rehearse.py",
 )
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically, so the reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
 
 
 def _frames(frame: FrameType | None) -> Iterator[FrameType]:

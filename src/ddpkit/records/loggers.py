@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import io
 import os
 import threading
 import time
@@ -38,6 +39,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
+from ddpkit import storage
 from ddpkit.errors import ConfigError, Preempted
 
 __all__ = [
@@ -149,13 +151,17 @@ def drop_rows_after(path: Path, step: int) -> int:
     keep = [row for row in rows if kept(row)]
     if len(keep) == len(rows):
         return 0
-    spare = path.with_name(path.name + ".tmp")
-    with spare.open("w", newline="") as f:
-        out = csv.writer(f, lineterminator="\n")
-        out.writerow(header)
-        out.writerows(keep)
-    os.replace(spare, path)
+    storage.write(path, _csv_text(header, keep), durable=False)
     return len(rows) - len(keep)
+
+
+def _csv_text(header: list[str], rows: Iterable[list[str]]) -> str:
+    """`header` and `rows` as the csv logger writes them."""
+    text = io.StringIO()
+    out = csv.writer(text, lineterminator="\n")
+    out.writerow(header)
+    out.writerows(rows)
+    return text.getvalue()
 
 
 class _CsvFile:
@@ -190,12 +196,9 @@ class _CsvFile:
         with self.path.open(newline="") as f:
             rows = list(csv.reader(f))[1:]
         self.columns += new
-        spare = self.path.with_name(self.path.name + ".tmp")
-        with spare.open("w", newline="") as f:
-            out = csv.writer(f, lineterminator="\n")
-            out.writerow(self.columns)
-            out.writerows(row + [""] * (len(self.columns) - len(row)) for row in rows)
-        os.replace(spare, self.path)  # whole or not at all, should the disk fill up
+        widened = (row + [""] * (len(self.columns) - len(row)) for row in rows)
+        # Whole or not at all, should the disk fill up.
+        storage.write(self.path, _csv_text(self.columns, widened), durable=False)
         self._append()
 
     def close(self) -> None:

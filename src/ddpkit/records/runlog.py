@@ -32,12 +32,12 @@ import contextlib
 import json
 import math
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ddpkit import storage
 from ddpkit.errors import ConfigError
 from ddpkit.records.loggers import (
     CSV_FILES,
@@ -114,7 +114,7 @@ class RunLog:
             changes.folders = _missing_folders(self.folder)
             self.folder.mkdir(parents=True, exist_ok=True)
             target = config_json
-            staged = _stage(config_json, json.dumps(config, indent=2, default=str) + "\n")
+            staged = storage.stage(config_json, json.dumps(config, indent=2, default=str) + "\n")
             changes.files.append(staged)
             if not config.get("resume"):
                 self.kept = keep_last_run(self.folder, renamed=changes.renames)
@@ -139,7 +139,7 @@ class RunLog:
                     raise
                 self._logger_failed(name, str(self.folder), "start", exc)
         try:
-            os.replace(staged, config_json)
+            storage.install(staged, config_json, [])
         except OSError as exc:
             raise self._failed(config_json, exc) from None
 
@@ -266,7 +266,7 @@ def drop_records_after(folder: Path, step: int, *, epoch_at_step: bool = False) 
         drop_rows_after(folder / csv_name(kind), last)
     if len(keep) == len(lines):
         return 0
-    os.replace(_stage(path, "".join(f"{line}\n" for line in keep)), path)
+    storage.write(path, "".join(f"{line}\n" for line in keep))
     return len(lines) - len(keep)
 
 
@@ -284,7 +284,7 @@ def keep_last_run(folder: Path, *, renamed: list[tuple[Path, Path]] | None = Non
         number += 1
     for name in names:
         if _exists(folder / name):
-            (folder / name).rename(folder / _numbered(name, number))
+            storage.rename(folder / name, folder / _numbered(name, number))
             if renamed is not None:
                 renamed.append((folder / name, folder / _numbered(name, number)))
     for name in RECORD_FILES:
@@ -326,7 +326,7 @@ class _Changes:
         for old, new in reversed(self.renames):
             if not _exists(old):  # a logger may have made a new one: leave both
                 with contextlib.suppress(OSError):
-                    new.rename(old)
+                    storage.rename(new, old)
         for folder in reversed(self.folders):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only when empty: never anything else's files
@@ -339,21 +339,3 @@ def _missing_folders(folder: Path) -> list[Path]:
         missing.append(folder)
         folder = folder.parent
     return missing[::-1]
-
-
-def _stage(path: Path, text: str) -> Path:
-    """`text` written and synced to a new temporary file beside `path`, for
-    os.replace to put in place whole (a reader never sees half of it); the temporary
-    file, or OSError with none left behind (say on a full disk)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    # O_EXCL: a new file of this process's own; mode 0o666 less the umask, as open() gives.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
