@@ -244,6 +244,22 @@ def test_files_are_renamed_into_place_only_by_storage() -> None:
     assert wrong == []
 
 
+# A JSON file written in place, or dumped to an open file: a reader, or the next job
+# after a kill, may find half of it. `storage.write_json` writes it whole.
+_JSON_IN_PLACE = re.compile(r"write_text\(json\.dumps|json\.dump\(")
+
+
+def test_json_files_are_written_only_by_storage() -> None:
+    wrong = [
+        name
+        for name in _modules()
+        if name != RENAMES_HOME and _JSON_IN_PLACE.search(_source(name).read_text())
+    ]
+    assert wrong == []
+    assert _JSON_IN_PLACE.search("Path(f).write_text(json.dumps(facts))")
+    assert not _JSON_IN_PLACE.search('self._file.write(json.dumps(record) + "\\n")')
+
+
 def test_tensors_are_hashed_only_in_one_module() -> None:
     assert HASHING_HOME in _modules()
     wrong = []

@@ -36,6 +36,7 @@ from ddpkit.parallel.syncbn import SyncBatchNorm
 from ddpkit.parallel.watch import TrainingData, watching
 from ddpkit.processes.launcher import launch
 from ddpkit.seed import rng_state
+from ddpkit.storage import write_json
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import JobRef
 from ddpkit.training.trainer import Callback, Trainer
@@ -292,7 +293,7 @@ def _equivalence_rank(
         "repeatable": repeatable,
         "digests": record.digests,
     }
-    Path(folder, f"rank-{ctx.rank}.json").write_text(json.dumps(facts))
+    write_json(Path(folder, f"rank-{ctx.rank}.json"), facts)
 
 
 def _plain_batchnorm(model: nn.Module) -> list[str]:
@@ -584,7 +585,7 @@ def _loop_rank(
         "repeatable": True,  # the orders are those the sampler gave, pass by pass
         "digests": record.digests,
     }
-    Path(folder, f"rank-{ctx.rank}.json").write_text(json.dumps(facts))
+    write_json(Path(folder, f"rank-{ctx.rank}.json"), facts)
 
 
 def _loop_reference(

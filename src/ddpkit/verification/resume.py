@@ -22,6 +22,7 @@ from ddpkit.context import DistContext
 from ddpkit.parallel.batches import map_tensors
 from ddpkit.processes.launcher import launch
 from ddpkit.seed import rng_state
+from ddpkit.storage import write_json
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.job import JobRef, build_job
 from ddpkit.training.trainer import Callback, Trainer
@@ -112,7 +113,7 @@ def _resume_rank(
     for phase in phases:  # each builds the job afresh, seeded as `ddpkit train` does
         built = build_job(ctx, job, config)
         if phase == "straight" and ctx.is_main:  # the probe leaves the RNGs as they were
-            Path(folder, "probe.json").write_text(json.dumps(probe_dataset(built.train_set)))
+            write_json(Path(folder, "probe.json"), probe_dataset(built.train_set))
         if phase == "straight":
             trainer = make_trainer(ctx, built, config, [_StopAt(steps)])
         elif phase == "first-half":
