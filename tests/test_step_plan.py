@@ -186,3 +186,23 @@ def test_a_hand_loop_resumed_mid_epoch_over_uneven_shards_is_the_straight_one(
 ) -> None:
     # Parameters, buffers, AdamW, the scheduler and each rank's random streams.
     assert ddpkit.launch(_resumed, str(tmp_path), nprocs=2, hang_timeout=60) == []
+
+
+class _Stream(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """9 samples of unknown length."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        data = _data()
+        return (data[i] for i in range(9))
+
+
+def test_a_plan_over_a_stream_on_one_process_needs_no_process_group() -> None:
+    ctx = ddpkit.DistContext.current()
+    assert not ctx.distributed
+    plan = StepPlan(ddpkit.prepare_loader(_Stream(), ctx, 2), nn.Linear(6, 1), accumulate=2)
+    micro = list(plan)
+    # Batches of 2, 2, 2, 2, 1 in groups of two, each micro-batch's share of its group.
+    assert [m.ends_step for m in micro] == [False, True, False, True, True]
+    assert [m.weight for m in micro] == [0.5, 0.5, 0.5, 0.5, 1.0]
+    assert [m.step_samples for m in micro] == [4, 4, 4, 4, 1]
+    assert not any(m.stand_in for m in micro)

@@ -33,12 +33,15 @@ from ddpkit.parallel.sync import Accumulation
 
 class _Agreement:
     """Counts of one step summed over all ranks: an all-reduce started at once, in CPU
-    memory (no device sync on a GPU), and waited for when a sum is first read."""
+    memory (no device sync on a GPU), and waited for when a sum is first read. On one
+    process (`group` False) the counts are the sums: there may be no process group."""
 
     def __init__(self, counts: list[int], group: Any, epoch: int) -> None:
         self._epoch = epoch
         self._sums = torch.tensor(counts, dtype=torch.int64)
-        self._work: Any = dist.all_reduce(self._sums, group=group, async_op=True)
+        self._work: Any = None
+        if group is not False:
+            self._work = dist.all_reduce(self._sums, group=group, async_op=True)
 
     def _read(self) -> list[int]:
         if self._work is not None:
@@ -162,7 +165,7 @@ class StepPlan:
         self.uneven = ctx.distributed and not isinstance(loader.base_sampler, DistributedSampler)
         # Counts in CPU memory, over gloo: counts on a GPU would make the step wait for
         # the device to finish all it has queued. A gloo group of its own beside nccl.
-        self._group: Any = None
+        self._group: Any = None if ctx.distributed else False  # False: nothing to reduce
         agrees = self.uneven or _length(loader) is None
         if agrees and ctx.distributed and ctx.backend != "gloo":
             self._group = dist.new_group(backend="gloo")
