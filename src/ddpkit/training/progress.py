@@ -1,5 +1,6 @@
-"""What a run shows while it trains: rank 0's progress lines, the progress bar, and the
-window of numbers behind the step log. Nothing here runs a collective."""
+"""What a run shows while it trains: rank 0's progress lines, the progress bar, the
+window of numbers behind the step log, and the epoch's sums behind the epoch's record.
+Only `EpochSums` runs collectives."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, cast
 import torch
 
 from ddpkit.context import DistContext
+from ddpkit.parallel.ranks import all_gather, reduce_sums
 from ddpkit.training.config import TrainConfig
 
 # Seconds between updates of the progress bar's loss (each costs a host sync).
@@ -52,6 +54,62 @@ class Window:
         self.loss.zero_()
         self.samples, self.start, self.grad_norm = 0, now, None
         return values
+
+
+class EpochSums:
+    """The running epoch's sums on this rank: its training loss times samples, and its
+    samples, kept on the device (calling .item() each step would stall the GPU). A
+    checkpoint written inside the epoch keeps every rank's (`gather`), so that the
+    epoch's record after a resume covers all of it (`resume`)."""
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.loss = torch.zeros((), device=ctx.device)
+        self.count = 0
+        self.epoch: int | None = None  # the epoch they are of
+        self.seen_before = 0  # samples seen (all ranks) before that epoch
+
+    def start(self, epoch: int, seen: int) -> None:
+        """Epoch `epoch` begins, after `seen` samples; unless these are its sums already
+        (resumed, or continued by a second `fit`, inside it): then they go on."""
+        if self.epoch != epoch:
+            self.loss = torch.zeros((), device=self.ctx.device)
+            self.count, self.epoch, self.seen_before = 0, epoch, seen
+
+    def add(self, loss: torch.Tensor, n: int) -> None:
+        self.loss.add_(loss.float(), alpha=n)
+        self.count += n
+
+    def reduce(self) -> tuple[float, int]:
+        """(loss times samples, samples) of the epoch so far, all ranks (a collective)."""
+        total, n = reduce_sums([self.loss, self.count], self.ctx)
+        return total, int(n)
+
+    def gather(self) -> list[list[float]]:
+        """Every rank's sums, [loss times samples, samples] by rank (a collective: every
+        rank calls it). float32 sums as float64: exact."""
+        count = torch.tensor(self.count, dtype=torch.float64, device=self.ctx.device)
+        mine = torch.stack([self.loss.double(), count])
+        return [[float(loss), int(n)] for loss, n in all_gather(mine).tolist()]
+
+    def resume(self, sums: list[list[float]] | None, epoch: int, seen: int) -> None:
+        """Go on with the sums of `epoch` that a checkpoint written inside it keeps
+        (`gather`), the run having seen `seen` samples: on as many ranks as saved, each
+        rank its own, so the epoch's record is bit for bit the uninterrupted run's; on
+        another number, rank 0 holds them all (the same samples, the loss up to the
+        order of the float sums). Without them (an older checkpoint), the epoch's
+        record covers what this run trains of it."""
+        if not sums:
+            return
+        ctx = self.ctx
+        if len(sums) == ctx.world_size:
+            loss, n = sums[ctx.rank]
+        else:
+            mine = ctx.is_main
+            loss, n = (sum(s[0] for s in sums), sum(s[1] for s in sums)) if mine else (0.0, 0.0)
+        self.loss = torch.tensor(loss, dtype=torch.float32, device=ctx.device)
+        self.count, self.epoch = int(n), epoch
+        self.seen_before = seen - int(sum(s[1] for s in sums))
 
 
 class Bar:

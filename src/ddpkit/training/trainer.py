@@ -37,7 +37,6 @@ from ddpkit.parallel.batches import (
 from ddpkit.parallel.data import prepare_loader
 from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
-from ddpkit.parallel.ranks import all_gather, reduce_sums
 from ddpkit.parallel.steps import MicroBatch, StepPlan
 from ddpkit.parallel.strategy import Strategy, prepare_model
 from ddpkit.processes.preemption import StopVote, ddpkit_job, saving_on_signal
@@ -55,6 +54,7 @@ from ddpkit.training.decisions import (
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.progress import (
     Bar,
+    EpochSums,
     Window,
     epoch_line,
     epoch_name,
@@ -431,19 +431,12 @@ class Trainer:
 
     def _start_state(self) -> None:
         """Where a new run stands: before its first step."""
-        device = self.ctx.device
         self.epoch = 0  # the epoch running, or the next one to run
         self.batch = 0  # batches of `epoch` trained: a checkpoint mid-epoch resumes there
         self.global_step = 0
         # Training samples seen, all ranks together, after each optimizer step.
         self.samples_seen = 0
-        self._seen_before_epoch = 0
-        # The running epoch's sums on this rank: its training loss times samples, and its
-        # samples. A checkpoint written inside the epoch keeps every rank's, so that the
-        # epoch's record after a resume covers all of it (`_resume_sums`).
-        self._loss_sum = torch.zeros((), device=device)
-        self._count = 0
-        self._sums_epoch: int | None = None  # the epoch they are of
+        self._sums = EpochSums(self.ctx)  # the running epoch's loss and samples
         self.should_stop = False
         self.best: float | None = None  # the best value of `config.keep_best` so far
         self._saved_step = -1  # the step of this run's newest checkpoint
@@ -566,11 +559,7 @@ class Trainer:
         self._call("on_epoch_start", epoch)
         self.train_loader.set_epoch(epoch)  # a new shuffle each epoch
         self.model.train()
-        if self._sums_epoch != epoch:  # else resumed (or continued) inside it: go on
-            # Accumulate on the device: calling .item() each step would stall the GPU.
-            self._loss_sum = torch.zeros((), device=self.ctx.device)
-            self._count, self._sums_epoch = 0, epoch
-            self._seen_before_epoch = self.samples_seen
+        self._sums.start(epoch, self.samples_seen)
         # Resumed from a checkpoint written mid-epoch: the loader starts after the
         # batches it had trained (`_resume`).
         skip, total = self.train_loader.next_pass()
@@ -597,8 +586,7 @@ class Trainer:
         the step's samples (all ranks) and where a checkpoint written now resumes."""
         if not micro.stand_in:
             n = count_samples(micro.batch)
-            self._loss_sum.add_(loss.float(), alpha=n)
-            self._count += n
+            self._sums.add(loss, n)
             run.step_samples += n
             if run.window is not None:
                 run.window.add(loss, n)
@@ -612,7 +600,7 @@ class Trainer:
 
     def _epoch_loss(self) -> float:
         """The epoch's mean loss so far, all ranks (a collective: every rank calls it)."""
-        total, n = reduce_sums([self._loss_sum, self._count], self.ctx)
+        total, n = self._sums.reduce()
         return total / max(n, 1)
 
     def _end_epoch(self, run: _Pass, runlog: RunLog) -> bool:
@@ -623,12 +611,12 @@ class Trainer:
             torch.cuda.synchronize(device)  # time the GPU's work, not just its queueing
         seconds = time.perf_counter() - run.start
         # One collective for the epoch's log, run by every rank (all ranks end together).
-        total_loss, n = reduce_sums([self._loss_sum, self._count], self.ctx)
-        trained = self._seen_before_epoch + int(n) - run.seen_at_start
+        total_loss, n = self._sums.reduce()
+        trained = self._sums.seen_before + n - run.seen_at_start
         self._totals.samples += trained
         self._totals.seconds += seconds
         self._totals.loss = loss = total_loss / max(n, 1)
-        self.samples_seen = self._seen_before_epoch + int(n)
+        self.samples_seen = self._sums.seen_before + n
         # A run by steps may end inside an epoch, which a resume then continues.
         if run.whole:
             self.epoch, self.batch = epoch + 1, 0
@@ -815,8 +803,8 @@ class Trainer:
         if self.config.checkpoint_dir is None:
             raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
         parts = self._parts()
-        if self._sums_epoch == self.epoch:  # inside the epoch (same on every rank)
-            parts["extra"]["epoch_sums"] = self._gather_sums()
+        if self._sums.epoch == self.epoch:  # inside the epoch (same on every rank)
+            parts["extra"]["epoch_sums"] = self._sums.gather()
         self.last_checkpoint = save_state(
             self.config.checkpoint_dir, self.ctx, **parts, keep_last=self.config.keep_last
         )
@@ -842,30 +830,6 @@ class Trainer:
             return False  # no better (a NaN never is)
         self.best = value
         return True
-
-    def _gather_sums(self) -> list[list[float]]:
-        """Every rank's running sums of the epoch, [loss times samples, samples] by rank
-        (a collective: every rank calls it). float32 sums as float64: exact."""
-        count = torch.tensor(self._count, dtype=torch.float64, device=self.ctx.device)
-        mine = torch.stack([self._loss_sum.double(), count])
-        return [[float(loss), int(n)] for loss, n in all_gather(mine).tolist()]
-
-    def _resume_sums(self, sums: list[list[float]] | None) -> None:
-        """Go on with the epoch's sums a checkpoint written inside it keeps (`save`): on
-        as many ranks as saved, each rank its own, so the epoch's record is bit for bit
-        the uninterrupted run's; on another number, rank 0 holds them all (the same
-        samples, the loss up to the order of the float sums). Without them (an older
-        checkpoint), the epoch's record covers what this run trains of it."""
-        if not sums:
-            return
-        if len(sums) == self.ctx.world_size:
-            loss, n = sums[self.ctx.rank]
-        else:
-            mine = self.ctx.is_main
-            loss, n = (sum(s[0] for s in sums), sum(s[1] for s in sums)) if mine else (0.0, 0.0)
-        self._loss_sum = torch.tensor(loss, dtype=torch.float32, device=self.ctx.device)
-        self._count, self._sums_epoch = int(n), self.epoch
-        self._seen_before_epoch = self.samples_seen - int(sum(s[1] for s in sums))
 
     def _keep_best(self) -> None:
         """Keep this step's checkpoint (written now unless it was already) as best.pt."""
@@ -925,7 +889,7 @@ class Trainer:
         elif saved.rng is not None:
             set_rng_state(saved.rng)
         self.samples_seen = int(saved.extra.get("samples_seen", 0))
-        self._resume_sums(saved.extra.get("epoch_sums"))
+        self._sums.resume(saved.extra.get("epoch_sums"), self.epoch, self.samples_seen)
         self.should_stop = bool(saved.extra.get("should_stop", False))
         self.best = saved.extra.get("best")
         self._judged_step = int(saved.extra.get("judged_step", -1))
