@@ -8,6 +8,7 @@ import math
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -214,6 +215,26 @@ def start_line(config: TrainConfig, ctx: DistContext) -> str:
     if cfg.run_dir:
         parts.append(f"run log {cfg.run_dir}")
     return ", ".join(parts)
+
+
+def resume_line(
+    config: TrainConfig, path: Path, epoch: int, batch: int, step: int, stopped: bool
+) -> str:
+    """Where a run resumed from checkpoint `path` goes on (`epoch` to run, `batch` of it
+    done, `step`), or why it has nothing to do."""
+    epochs, steps = config.epoch_limit(), config.max_steps
+    if stopped:
+        done = f"stopped early after epoch {epoch}"
+    elif steps is not None and step >= steps:
+        done = f"has trained {step} steps, of {steps} asked for"
+    elif epochs is not None and epoch == epochs:
+        done = f"finished all {epochs} epochs"
+    elif epochs is not None and epoch > epochs:
+        done = f"has trained {epoch} epochs, more than the {epochs} asked for"
+    else:
+        where = f" after batch {batch}" if batch else ""
+        return f"resumed from {path} at epoch {epoch + 1}{where} (step {step})"
+    return f"nothing to do: {path} {done}"
 
 
 def eval_parts(metrics: dict[str, float]) -> list[str]:

@@ -60,6 +60,7 @@ from ddpkit.training.progress import (
     epoch_name,
     eval_parts,
     print_line,
+    resume_line,
     start_line,
 )
 
@@ -896,23 +897,8 @@ class Trainer:
         self.last_checkpoint = saved.path
         # Said once, by rank 0, as what happened (the skipped files are already skipped).
         skipped = f"{found.skip_note()}; " if found.skipped else ""
-        epochs, steps = self.config.epoch_limit(), self.config.max_steps
-        if self.should_stop:
-            done = f"stopped early after epoch {self.epoch}"
-        elif steps is not None and self.global_step >= steps:
-            done = f"has trained {self.global_step} steps, of {steps} asked for"
-        elif epochs is not None and self.epoch == epochs:
-            done = f"finished all {epochs} epochs"
-        elif epochs is not None and self.epoch > epochs:
-            done = f"has trained {self.epoch} epochs, more than the {epochs} asked for"
-        else:
-            where = f" after batch {self.batch}" if self.batch else ""
-            self.say(
-                f"{skipped}resumed from {saved.path} at epoch {self.epoch + 1}{where} "
-                f"(step {self.global_step})"
-            )
-            return
-        self.say(f"{skipped}nothing to do: {saved.path} {done}")
+        where = (self.epoch, self.batch, self.global_step, self.should_stop)
+        self.say(skipped + resume_line(self.config, saved.path, *where))
 
     def _reposition(self, loader: dict[str, Any]) -> None:
         """Resume mid-epoch after the samples the saved run trained, in the epoch's
