@@ -283,6 +283,7 @@ if __name__ == "__main__":
         ("clean", "info", 0),
     ],
 )
+@pytest.mark.slow
 def test_a_strict_audit_keeps_the_jobs_own_exit_status(
     tmp_path: Path, ending: str, pitfall: str, code: int
 ) -> None:
@@ -372,6 +373,7 @@ def _line_of(text: str, marker: str) -> int:
     return line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("installed", ["site-packages", "sys.path"])
 def test_a_finding_inside_a_library_points_at_the_users_line(
     tmp_path: Path, installed: str
@@ -408,6 +410,7 @@ def test_a_finding_inside_a_library_points_at_the_users_line(
     assert "on any rank" in by_code["DDP112"] and "rank-dependent" not in by_code["DDP112"]
 
 
+@pytest.mark.slow
 def test_a_ddp_wrap_skipped_on_every_rank_is_named(tmp_path: Path) -> None:
     # imagenet's main.py on CPU: the script destroys its group itself, after which the
     # audit no longer holds the parameters (it named "a rank-dependent update").
@@ -458,6 +461,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["raise", "load"])
 def test_a_crashed_run_gets_no_teardown_warning_and_no_audit_frames(
     tmp_path: Path, how: str

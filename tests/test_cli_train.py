@@ -209,6 +209,7 @@ def build(ctx):
 """
 
 
+@pytest.mark.slow
 def test_a_rank_that_exits_0_early_is_named_first(tmp_path: Path) -> None:
     # Rank 1 leaves after epoch 1; rank 0 waits for it in DDP's gradient all-reduce,
     # which gloo fails ("Connection closed by peer"). That error is a consequence: the

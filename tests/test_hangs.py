@@ -319,6 +319,7 @@ def _stuck_before_backward(ctx: DistContext, marker: str) -> None:
         opt.zero_grad()
 
 
+@pytest.mark.slow
 def test_a_rank_stuck_before_backward_while_another_waits_in_ddps_all_reduce_is_stopped(
     tmp_path: Path,
 ) -> None:
@@ -444,6 +445,7 @@ def _clip_while_a_rank_is_stuck(ctx: DistContext) -> None:
     nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # rank 0 waits here
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not cpu_supported(), reason="FSDP2 on CPU ranks needs torch >= 2.7")
 def test_a_rank_waiting_in_fsdps_gradient_clipping_is_seen_there() -> None:
     start = time.monotonic()

@@ -723,6 +723,7 @@ def test_a_function_that_destroys_its_group_in_the_callers_process_returns() -> 
     assert launch(_identity, "again", nprocs=1)["sum"] == 1.0
 
 
+@pytest.mark.slow
 def test_a_script_that_destroys_its_process_group_itself_ends_cleanly_under_run(
     tmp_path: Path,
 ) -> None:

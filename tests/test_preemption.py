@@ -823,6 +823,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_ddpkit_run_with_restarts_ends_a_preempted_job_with_75(tmp_path: Path) -> None:
     # Every rank saves and exits 75 so that the scheduler requeues the job: that is no
     # failure for torchrun's agent to restart, or the restarted group trains on, ends

@@ -64,6 +64,7 @@ def _codes(findings: list[dict[str, Any]]) -> set[str]:
     return {str(f["code"]) for f in findings}
 
 
+@pytest.mark.slow
 def test_torchrun_tutorial_shape_with_a_peek_is_audited_clean(tmp_path: Path) -> None:
     # multigpu_torchrun.py: the one-batch peek before set_epoch is no second pass, and
     # the script's options after its positional ones are its own.
@@ -78,6 +79,7 @@ def test_torchrun_tutorial_shape_with_a_peek_is_audited_clean(tmp_path: Path) ->
     _ranks_agree(dump / "final-rank0.pt", dump / "final-rank1.pt")
 
 
+@pytest.mark.slow
 def test_single_gpu_shape_audit_names_the_shared_checkpoint(tmp_path: Path) -> None:
     # single_gpu.py run on 2 ranks as it is: both write checkpoint.pt, and with no wrap
     # and unseeded data the ranks train different weights.

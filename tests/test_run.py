@@ -704,6 +704,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_the_scripts_own_flags_after_audit_go_to_the_script(tmp_path: Path) -> None:
     script = _script(tmp_path, "multigpu_torchrun.py", TORCHRUN_TUTORIAL)
     # --audit takes an optional value: the script's name is not it, nor are the script's

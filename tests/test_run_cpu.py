@@ -194,6 +194,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cpu", [False, True], ids=["run", "run_cpu"])
 def test_a_script_that_spawns_its_own_ranks_is_refused_in_one_line(
     tmp_path: Path, cpu: bool
@@ -247,6 +248,7 @@ def test_only_the_users_own_files_see_the_rehearsed_gpu(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_a_library_that_needs_the_gpu_is_refused_with_the_fix(tmp_path: Path) -> None:
     # A library (installed: it sees the machine as it is) asserting CUDA, as timm's
     # init_distributed_device does for --device cuda; and timm's prefetcher, whose side

@@ -122,6 +122,7 @@ def test_a_batch_script_without_srun_is_no_step() -> None:
     assert slurm_step(step) == SlurmStep(1, 0, "gpu02", 20000 + 4243)
 
 
+@pytest.mark.slow
 def test_ddpkit_run_in_a_batch_script_runs_as_on_one_machine(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

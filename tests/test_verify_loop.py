@@ -376,6 +376,7 @@ def test_a_loop_with_its_own_distributed_sampler_and_dataloader_passes(tmp_path:
     ), out.stdout
 
 
+@pytest.mark.slow
 def test_a_loop_with_a_dataloader_that_verify_cannot_see_is_refused_naming_its_line(
     tmp_path: Path,
 ) -> None:
