@@ -22,13 +22,8 @@ from ddpkit.checkpoint.pt import latest_checkpoint
 from ddpkit.errors import CheckpointError, WorkerError
 from ddpkit.seed import seed_everything
 from ddpkit.training.config import TrainConfig
-from ddpkit.training.trainer import (
-    Callback,
-    EarlyStopping,
-    Trainer,
-    callback_states,
-    load_callback_states,
-)
+from ddpkit.training.decisions import callback_states, load_callback_states
+from ddpkit.training.trainer import Callback, EarlyStopping, Trainer
 
 
 def _data(n: int = 96) -> TensorDataset:
