@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 _CPU = torch.device("cpu")
+# Called by every `DistContext.current()`: a worker of `ddpkit run` registers here the note
+# that this rank runs ddpkit's code (processes.preemption.ddpkit_job: a stop signal before
+# the first step then ends the job with 75), which this layer may not import.
+ON_CURRENT: list[Callable[[], None]] = []
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ class DistContext:
     def current(cls) -> DistContext:
         """The context of this process, from the initialised process group or the
         environment torchrun sets; a lone process otherwise. Never raises."""
+        for note in ON_CURRENT:
+            note()
         env = os.environ
         rank, world = 0, 1
         if dist.is_available() and dist.is_initialized():

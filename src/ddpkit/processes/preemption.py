@@ -71,8 +71,13 @@ TRAINED_NOTE = "trained"  # the rank took its first optimizer step
 
 def notes_to(prefix: str) -> None:
     """In a worker of `ddpkit run` (its shim): this rank's notes to the agent are the
-    files `<prefix>.<note>`."""
+    files `<prefix>.<note>`; a script that asks for `DistContext.current()` (its own
+    process group) runs ddpkit's code."""
+    from ddpkit.context import ON_CURRENT  # here: the CLI imports this module without torch
+
     _FLAG.notes = prefix
+    if ddpkit_job not in ON_CURRENT:
+        ON_CURRENT.append(ddpkit_job)
 
 
 def tell_agent(note: str) -> None:
