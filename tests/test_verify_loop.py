@@ -409,7 +409,18 @@ def test_a_loop_whose_loss_is_always_zero_proves_nothing(tmp_path: Path) -> None
         LOSS="F.cross_entropy(self.model(source)[:, :1], targets[:, 0].long())",
         OPTIM="torch.optim.SGD(model.parameters(), lr=1e-3)",  # no weight decay
     )
-    out = _verify_cli("--loop", f"{script}:main", "--steps", "3", "--", "2", "8", cwd=tmp_path)
+    out = _verify_cli(
+        "--loop",
+        f"{script}:main",
+        "--steps",
+        "3",
+        "--",
+        "2",
+        "1",
+        "--batch_size",
+        "8",
+        cwd=tmp_path,
+    )
     from ddpkit.cli.verify import NOTHING_TRAINED_EXIT
 
     assert out.returncode == NOTHING_TRAINED_EXIT, out.stdout + out.stderr
