@@ -40,16 +40,17 @@ from torch.distributed.elastic.rendezvous.api import (  # noqa: E402
 
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, ConfigError, StoppedAtStart  # noqa: E402
 from ddpkit.findings import Finding  # noqa: E402
-from ddpkit.processes.audit import AUDIT_ENV  # noqa: E402
-from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
-from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
-from ddpkit.processes.machine import threads_per_rank  # noqa: E402
-from ddpkit.processes.output import RankOutput  # noqa: E402
-from ddpkit.processes.preemption import (  # noqa: E402
+from ddpkit.inrank.audit import AUDIT_ENV  # noqa: E402
+from ddpkit.inrank.preemption import (  # noqa: E402
     DDPKIT_JOB_NOTE,
     STOP_SIGNALS,
     TRAINED_NOTE,
 )
+from ddpkit.inrank.watchdog import descendants  # noqa: E402
+from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
+from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
+from ddpkit.processes.machine import threads_per_rank  # noqa: E402
+from ddpkit.processes.output import RankOutput  # noqa: E402
 from ddpkit.processes.rehearse import REFUSED_EXIT, REHEARSE_ENV  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
@@ -63,7 +64,6 @@ from ddpkit.processes.report import (  # noqa: E402
 )
 from ddpkit.processes.scratch import scratch_dir  # noqa: E402
 from ddpkit.processes.store import serve_store  # noqa: E402
-from ddpkit.processes.watchdog import descendants  # noqa: E402
 
 
 def run_script(
@@ -85,8 +85,7 @@ def run_script(
     store, port = _rendezvous(opts)
     _patch_agent_store(loopback=local)
     _note_agent_stops()
-    _no_restart_after_preemption()
-    _say_each_restart()
+    _patch_restarts()
     status = scratch_dir("run")
     world = nproc if single else opts.nnodes * nproc
     # What the ranks print, line by line, to the console and to each rank's log. The
@@ -98,12 +97,13 @@ def run_script(
         ranks=range(nproc) if single else (),
     ).start()
     env = {
-        **_thread_env(nproc),
         **output.env(),
         RUN_WORKER: str(status),
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_s),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     if on_audit is not None:
         env[AUDIT_ENV] = "1"
     if opts.cpu:
@@ -123,7 +123,7 @@ def run_script(
     try:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
         if not single:
-            reports = _StoreReports(host, port, opts.nnodes * nproc)
+            reports = _StoreReports(host, port, world)
         logs = _Logs(output, in_log_dir=opts.log_dir is not None, this_node_only=not single)
         return _supervise(torchrun_args, status, reports, opts.hang_s, world, logs)
     except RendezvousTimeoutError:
@@ -203,6 +203,14 @@ def _wait_for_master(host: str, port: int, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
+def _patched(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    """Replace `owner.name` (a method of torch's) by `wrap(original)`, once a process."""
+    flag = f"_ddpkit_patched_{name}"
+    if not getattr(owner, flag, False):
+        setattr(owner, name, wrap(getattr(owner, name)))
+        setattr(owner, flag, True)
+
+
 def _patch_agent_store(loopback: bool) -> None:
     """Two fixes to the store that torchrun's agent serves for the workers.
 
@@ -219,23 +227,25 @@ def _patch_agent_store(loopback: bool) -> None:
         )
     except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
         return
-    if getattr(Handler, "_ddpkit_patched", False):
-        return
-    original_next = Handler.next_rendezvous
 
-    def next_rendezvous(self: Any) -> Any:
-        for attr in ("_shared_tcp_store_server", "_bootstrap_store_info"):
-            if hasattr(self, attr):
-                setattr(self, attr, None)
-        return original_next(self)
+    def fresh_store(original_next: Any) -> Any:
+        def next_rendezvous(self: Any) -> Any:
+            for attr in ("_shared_tcp_store_server", "_bootstrap_store_info"):
+                if hasattr(self, attr):
+                    setattr(self, attr, None)
+            return original_next(self)
 
-    def create(self: Any, master_addr: str, master_port: int) -> Any:
-        return serve_store(LOOPBACK, master_port, multi_tenant=True)
+        return next_rendezvous
 
-    Handler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    def on_loopback(original: Any) -> Any:
+        def create(self: Any, master_addr: str, master_port: int) -> Any:
+            return serve_store(LOOPBACK, master_port, multi_tenant=True)
+
+        return create
+
+    _patched(Handler, "next_rendezvous", fresh_store)
     if loopback and hasattr(Handler, "_create_tcp_store_server"):
-        Handler._create_tcp_store_server = create  # type: ignore[method-assign]
-    Handler._ddpkit_patched = True  # type: ignore[attr-defined]
+        _patched(Handler, "_create_tcp_store_server", on_loopback)
 
 
 # The workers that torchrun's agent stopped (pids): those still running when it began to
@@ -250,90 +260,65 @@ def _note_agent_stops() -> None:
         from torch.distributed.elastic.multiprocessing.api import SubprocessContext
     except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
         return
-    if getattr(SubprocessContext, "_ddpkit_notes_stops", False):
-        return
-    original = SubprocessContext._close
 
-    def close(self: Any, death_sig: Any, timeout: int = 30) -> None:
-        # Before its signal: a worker that ended already (on a signal of someone else's
-        # too) is not among them.
-        _STOPPED_BY_AGENT.update(
-            h.proc.pid for h in self.subprocess_handlers.values() if h.proc.poll() is None
-        )
-        original(self, death_sig, timeout)
-
-    SubprocessContext._close = close  # type: ignore[method-assign]
-    SubprocessContext._ddpkit_notes_stops = True  # type: ignore[attr-defined]
-
-
-def _no_restart_after_preemption() -> None:
-    """torchrun's agent restarts a failed worker group while `--max-restarts` allows. A
-    rank that exits 75 did not fail: the ranks saved on a stop signal (or were stopped
-    before their first step) so that the scheduler requeues the job. A restart would
-    train on and end with 0, and the requeue would never come: no restart then, and
-    `ddpkit run` ends with 75 (see _supervise). Nor after a call that `--cpu` cannot
-    rehearse: every attempt would meet it again."""
-    try:
-        from torch.distributed.elastic.agent.server.api import WorkerState
-        from torch.distributed.elastic.agent.server.local_elastic_agent import (
-            LocalElasticAgent as Agent,
-        )
-    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
-        return
-    if getattr(Agent, "_ddpkit_no_restart", False):
-        return
-    original = Agent._monitor_workers
-
-    def monitor(self: Any, worker_group: Any) -> Any:
-        result = original(self, worker_group)
-        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-            return result
-        attempt = _latest_attempt(Path(os.environ[RUN_WORKER]))
-        if (
-            any(failure.exitcode == PREEMPTED_EXIT for failure in result.failures.values())
-            or _stop_before_training(result.failures, attempt)
-            or read_reports(attempt, ".refused.json")  # --cpu would only meet it again
-        ):
-            self._remaining_restarts = 0
-        return result
-
-    Agent._monitor_workers = monitor  # type: ignore[method-assign]
-    Agent._ddpkit_no_restart = True  # type: ignore[attr-defined]
-
-
-def _say_each_restart() -> None:
-    """Before torchrun's agent restarts the workers after a failure (`--max-restarts`),
-    say which rank failed and how, with its traceback (your frames only): the job may
-    then succeed, and its logs, without `--log-dir`, are deleted with it. Installed after
-    _no_restart_after_preemption, so that a preempted job, which is not restarted, says
-    nothing here."""
-    try:
-        from torch.distributed.elastic.agent.server.api import WorkerState
-        from torch.distributed.elastic.agent.server.local_elastic_agent import (
-            LocalElasticAgent as Agent,
-        )
-    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
-        return
-    if getattr(Agent, "_ddpkit_says_restarts", False):
-        return
-    original = Agent._monitor_workers
-
-    def monitor(self: Any, worker_group: Any) -> Any:
-        result = original(self, worker_group)
-        left = self._remaining_restarts
-        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and left > 0:
-            most = worker_group.spec.max_restarts
-            done = most - left  # the attempt that failed reported to attempt<done>
-            folder = Path(os.environ[RUN_WORKER]) / f"attempt{done}"
-            print(
-                _restart_report(result.failures, folder, done + 1, most),
-                file=sys.stderr,
-                flush=True,
+    def noting(original: Any) -> Any:
+        def close(self: Any, death_sig: Any, timeout: int = 30) -> None:
+            # Before its signal: a worker that ended already (on a signal of someone
+            # else's too) is not among them.
+            _STOPPED_BY_AGENT.update(
+                h.proc.pid for h in self.subprocess_handlers.values() if h.proc.poll() is None
             )
-        return result
+            original(self, death_sig, timeout)
 
-    Agent._monitor_workers = monitor  # type: ignore[method-assign]
-    Agent._ddpkit_says_restarts = True  # type: ignore[attr-defined]
+        return close
+
+    _patched(SubprocessContext, "_close", noting)
+
+
+def _patch_restarts() -> None:
+    """Two changes to what torchrun's agent does after a failed worker group.
+
+    - It restarts the group while `--max-restarts` allows. A rank that exits 75 did not
+      fail: the ranks saved on a stop signal (or were stopped before their first step)
+      so that the scheduler requeues the job. A restart would train on and end with 0,
+      and the requeue would never come: no restart then, and `ddpkit run` ends with 75
+      (see _supervise). Nor after a call that `--cpu` cannot rehearse: every attempt
+      would meet it again.
+    - Before a restart, it says which rank failed and how, with its traceback (your
+      frames only): the job may then succeed, and its logs, without `--log-dir`, are
+      deleted with it. A preempted job, which is not restarted, says nothing here.
+    """
+    try:
+        from torch.distributed.elastic.agent.server.api import WorkerState
+        from torch.distributed.elastic.agent.server.local_elastic_agent import (
+            LocalElasticAgent as Agent,
+        )
+    except ImportError:  # pragma: no cover - another torch layout: keep its behaviour
+        return
+
+    def deciding(original: Any) -> Any:
+        def monitor(self: Any, worker_group: Any) -> Any:
+            result = original(self, worker_group)
+            if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                return result
+            status = Path(os.environ[RUN_WORKER])
+            attempt = _latest_attempt(status)
+            if (
+                any(failure.exitcode == PREEMPTED_EXIT for failure in result.failures.values())
+                or _stop_before_training(result.failures, attempt)
+                or read_reports(attempt, ".refused.json")  # --cpu would only meet it again
+            ):
+                self._remaining_restarts = 0
+            elif self._remaining_restarts > 0:
+                most = worker_group.spec.max_restarts
+                done = most - self._remaining_restarts  # it reported to attempt<done>
+                report = _restart_report(result.failures, status / f"attempt{done}", done + 1, most)
+                print(report, file=sys.stderr, flush=True)
+            return result
+
+        return monitor
+
+    _patched(Agent, "_monitor_workers", deciding)
 
 
 def _restart_report(failures: dict[int, Any], folder: Path, restart: int, most: int) -> str:
@@ -343,13 +328,6 @@ def _restart_report(failures: dict[int, Any], folder: Path, restart: int, most: 
     what = f"raised {err['exc_type']}: {err['message']}" if err else _how(failure.exitcode)
     line = f"ddpkit: attempt {restart} failed: rank {rank} {what} (restart {restart} of {most})"
     return f"{line}\n{err['traceback'].rstrip()}" if err else line
-
-
-def _thread_env(nproc: int) -> dict[str, str]:
-    env: dict[str, str] = {}
-    if "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
-    return env
 
 
 def _latest_attempt(status: Path) -> Path:
@@ -447,9 +425,9 @@ def _supervise(
             print(_NO_GROUP.format(world=world_size), file=sys.stderr, flush=True)
         return 0
     except ChildFailedError as exc:
-        if _said_preempted(status):  # a worker got the signal itself
+        if _said(status, ".preempted.json"):  # a worker got the signal itself
             return PREEMPTED_EXIT
-        if _said_refused(status):  # --cpu met a call it cannot rehearse
+        if _said(status, ".refused.json"):  # --cpu met a call it cannot rehearse
             return REFUSED_EXIT
         if watch is not None and watch.hang is not None:  # its workers were killed
             print(_HANG_STOPPED, file=sys.stderr, flush=True)
@@ -466,7 +444,7 @@ def _supervise(
         print(f"{report}\n{logs.keep()}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
-        if _said_preempted(status):
+        if _said(status, ".preempted.json"):
             return PREEMPTED_EXIT
         if watch is not None and watch.hang is not None:  # said when it was found
             print(_HANG_STOPPED, file=sys.stderr, flush=True)
@@ -544,9 +522,11 @@ class _Logs:
         return f"ddpkit: {whose}: {folder}{os.sep}rank<N>.log"
 
 
-def _said_preempted(status: Path) -> bool:
-    """Whether the ranks saved and stopped on a signal; if so, say so (once)."""
-    said = read_reports(_latest_attempt(status), ".preempted.json")
+def _said(status: Path, suffix: str) -> bool:
+    """Whether a rank left a note `rank<N><suffix>`: `.preempted.json`, the ranks saved
+    and stopped on a signal; `.refused.json`, a rank of `--cpu` met a call it cannot
+    rehearse. If so, say the first rank's line (every rank has the same, most often)."""
+    said = read_reports(_latest_attempt(status), suffix)
     if not said:
         return False
     print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)
@@ -574,16 +554,6 @@ def _stop_before_training(failures: dict[int, Any], folder: Path) -> int:
         if signum in STOP_SIGNALS and failure.pid not in _STOPPED_BY_AGENT:
             return signum
     return 0
-
-
-def _said_refused(status: Path) -> bool:
-    """Whether a rank of `--cpu` met a call it cannot rehearse; if so, say the first
-    rank's line (every rank meets the same one, most often)."""
-    said = read_reports(_latest_attempt(status), ".refused.json")
-    if not said:
-        return False
-    print(f"ddpkit: {said[min(said)]['message']}", file=sys.stderr, flush=True)
-    return True
 
 
 def _left_early(exc: Any, folder: Path) -> str | None:

@@ -155,7 +155,7 @@ def _where(frames: Iterable[tuple[types.FrameType, int]]) -> tuple[str, str]:
     library's line it led to, if any ("train.py:80 (in timm/data/loader.py:144)"); else
     the innermost frame outside ddpkit, torch and the standard library. The call is the
     outermost torch function below it."""
-    from ddpkit.processes.audit import _library_frame, _shown, not_users, users_own
+    from ddpkit.inrank.audit import _library_frame, _shown, not_users, users_own
 
     skipped = not_users()
     called, library = "", ""
@@ -183,17 +183,14 @@ def _stack(frame: types.FrameType | None) -> Iterator[tuple[types.FrameType, int
 # option that takes the path without it (timm's train.py prefetches each batch on a
 # side CUDA stream unless told not to).
 _FIXES = {"timm/": "pass --no-prefetcher (timm's train.py: its loader's prefetch stream)"}
+_ON_GPUS = "run this script on GPUs, or give it a path without this call when no GPU is there"
 
 
 def _refuse(call: str, why: str) -> NotRehearsable:
     site, _ = _where(_stack(sys._getframe(1)))
     fix = next((f for where, f in _FIXES.items() if f"(in {where}" in site), "")
     return NotRehearsable(
-        f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): {why}; "
-        + (
-            fix
-            or "run this script on GPUs, or give it a path without this call when no GPU is there"
-        )
+        f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): {why}; {fix or _ON_GPUS}"
     )
 
 
@@ -242,7 +239,7 @@ def refusal(exc: BaseException) -> NotRehearsable | None:
         "only the script's own files see the rehearsed GPU, so that a library takes its "
         "CPU path: give this one its CPU option (timm: --device cpu), or run on GPUs"
         if " (in " in site
-        else "run this script on GPUs, or give it a path without this call when no GPU is there"
+        else _ON_GPUS
     )
     return NotRehearsable(
         f"{call} at {site} cannot be rehearsed on CPU ranks (--cpu): it needs a GPU"
@@ -263,11 +260,14 @@ def _on_cuda(device: Any) -> bool:
     return getattr(device, "type", None) == "cuda"
 
 
-def _device_kwarg(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` with a CUDA `device=` read as the CPU."""
+def _device_kwarg(fn: Callable[..., Any], *, first: bool = False) -> Callable[..., Any]:
+    """`fn` with a CUDA `device=` read as the CPU; with `first`, a CUDA device as the
+    first argument after self too (`Tensor.to`, `Module.to`)."""
 
     @functools.wraps(fn)
     def on_cpu(*args: Any, **kwargs: Any) -> Any:
+        if first and len(args) > 1 and _on_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
         device = kwargs.get("device")
         if device is not None and _on_cuda(device):
             kwargs["device"] = "cpu"
@@ -276,26 +276,10 @@ def _device_kwarg(fn: Callable[..., Any]) -> Callable[..., Any]:
     return on_cpu
 
 
-def _to_cpu(to: Callable[..., Any]) -> Callable[..., Any]:
-    """`Tensor.to` or `Module.to` with a CUDA device (first argument or `device=`) read
-    as the CPU."""
-
-    @functools.wraps(to)
-    def to_cpu(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args and _on_cuda(args[0]):
-            args = ("cpu", *args[1:])
-        device = kwargs.get("device")
-        if device is not None and _on_cuda(device):
-            kwargs["device"] = "cpu"
-        return to(self, *args, **kwargs)
-
-    return to_cpu
-
-
 def _patch_tensors(torch: Any) -> None:
     original_to = torch._C.TensorBase.to
-    to_cpu = _to_cpu(original_to)
-    torch.nn.Module.to = _to_cpu(torch.nn.Module.to)
+    to_cpu = _device_kwarg(original_to, first=True)
+    torch.nn.Module.to = _device_kwarg(torch.nn.Module.to, first=True)
 
     def cuda(self: Any, device: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
         return original_to(self, "cpu", **kwargs)
@@ -351,7 +335,7 @@ def _users(frame: types.FrameType | None) -> bool:
     which sees the rehearsed GPU. Every other caller sees the machine as it is, so that
     torch and ddpkit stay on their CPU paths, and a library with a CPU path of its own
     (Accelerate, Lightning Fabric, timm's helpers) takes it, as on a CPU machine."""
-    from ddpkit.processes.audit import users_own
+    from ddpkit.inrank.audit import users_own
 
     return frame is not None and users_own(frame.f_code.co_filename)
 
