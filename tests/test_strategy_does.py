@@ -37,7 +37,7 @@ QUESTION = re.compile(
 # format (a `.pt` file or a `.dcp` folder, on save and on recognising a file), and the
 # Trainer's forwards that every rank must run alike under FSDP.
 STILL_ASKED = {
-    "checkpoint": 2,  # pt.py
+    "checkpoint": 1,  # pt.py: on save (a file is recognised by Strategy.holds_model)
     "training": 3,  # the Trainer
 }
 

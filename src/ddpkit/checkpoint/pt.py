@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
 from ddpkit.parallel.model import load_model_state as load_model_state  # its home; named here too
 from ddpkit.parallel.model import model_class_name, strip_prefixes, unwrap
+from ddpkit.parallel.strategy import Strategy
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
     PENDING,
@@ -62,6 +63,7 @@ from ddpkit.storage import (
 )
 
 log = logging.getLogger("ddpkit")
+T = TypeVar("T")
 
 FORMAT = "ddpkit-checkpoint/1"
 _NAME = re.compile(r"^ckpt-(\d+)\.(?:pt|dcp)$")  # a file, or a sharded folder
@@ -286,7 +288,7 @@ def save_checkpoint(
 
     # The other ranks wait until rank 0 has written (so nobody reads or deletes a
     # checkpoint still being written), and they stop with rank 0's error if it failed.
-    _on_rank0(write, ctx, f"write checkpoint {path}")
+    _on_rank0(write, ctx, f"rank 0 failed to write checkpoint {path}")
     return path
 
 
@@ -359,7 +361,7 @@ def keep_as_best(path: Path, ctx: DistContext) -> Path:
             delete(tmp)
             raise
 
-    _on_rank0(keep, ctx, f"keep {path} as {best}")
+    _on_rank0(keep, ctx, f"rank 0 failed to keep {path} as {best}")
     return best
 
 
@@ -406,7 +408,7 @@ def _save_sharded(
             delete(tmp)
             raise
 
-    _on_rank0(finish, ctx, f"write checkpoint {path}")
+    _on_rank0(finish, ctx, f"rank 0 failed to write checkpoint {path}")
     return path
 
 
@@ -521,37 +523,34 @@ def lock_folder(directory: str | os.PathLike[str], ctx: DistContext) -> FolderLo
     A collective: call it on EVERY rank. When the lock is held by another job that
     still runs, every rank raises the same CheckpointError naming that job.
     """
-    lock = FolderLock(directory) if ctx.is_main else None
-    _on_rank0(lock.acquire if lock else _nothing, ctx, f"lock {directory}")
-    return lock
+    lock = FolderLock(directory)  # only made: rank 0 takes it
+    _on_rank0(lock.acquire, ctx, f"rank 0 failed to lock {directory}")
+    return lock if ctx.is_main else None
 
 
-def _nothing() -> None:
-    pass
-
-
-def _on_rank0(action: Callable[[], None], ctx: DistContext, what: str) -> None:
-    """Run `action` on rank 0 alone; then every rank returns, or raises rank 0's
-    CheckpointError (rank 0 raises its own error, whatever it is). A collective: the
-    other ranks wait until rank 0 is done, and none is left waiting when it fails."""
-    outcome: list[str | None] = [None]
+def _on_rank0(action: Callable[[], T], ctx: DistContext, failed: str) -> T | None:
+    """Run `action` on rank 0 alone; then every rank returns what it returned (sent to
+    the others: it must pickle), or raises rank 0's CheckpointError (rank 0 raises its
+    own error, whatever it is; for an error of another kind, the others raise
+    "`failed`: see rank 0's error"). A collective: the other ranks wait until rank 0 is
+    done, and none is left waiting when it fails."""
+    outcome: list[tuple[T | None, str | None]] = [(None, None)]  # (result, error)
     failure: Exception | None = None
     if ctx.is_main:
         try:
-            action()
+            outcome = [(action(), None)]
         except Exception as exc:
             failure = exc
-            outcome = [
-                str(exc)
-                if isinstance(exc, CheckpointError)
-                else f"rank 0 failed to {what}: see rank 0's error"
-            ]
+            told = str(exc) if isinstance(exc, CheckpointError) else f"{failed}: see rank 0's error"
+            outcome = [(None, told)]
     if ctx.distributed:
         dist.broadcast_object_list(outcome, src=0)
     if failure is not None:
         raise failure
-    if outcome[0] is not None:
-        raise CheckpointError(outcome[0])
+    result, error = outcome[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return result
 
 
 class _Unreadable(Exception):
@@ -617,7 +616,7 @@ def _decode(data: bytes | BinaryIO, path: Path) -> dict[str, Any]:
         ) from None
     except Exception as exc:
         raise _corrupt(path, type(exc).__name__) from None
-    if not isinstance(state, dict) or ("model" not in state and not state.get("sharded")):
+    if not isinstance(state, dict) or not Strategy.holds_model(state):
         raise _Unreadable(
             f"{path} is not a ddpkit checkpoint (no 'model' entry)",
             f"pass a file written by save_checkpoint, or {_DELETE_IT}",
@@ -845,39 +844,23 @@ def find_checkpoint(where: str | os.PathLike[str], ctx: DistContext) -> Found | 
             not load the file rank 0 chose (the message names the ranks, the file and
             why).
     """
-    if not ctx.distributed:
-        mine = _newest_readable(where, names_one(where), ctx)
-        return None if mine is None else mine[0]
+    found: Found | None = None
+
+    def choose() -> tuple[Any, ...] | None:  # path, named, step, sha256, skipped
+        nonlocal found
+        named = names_one(where)  # rank 0 decides, so that every rank does the same
+        mine = _newest_readable(where, named, ctx)
+        if mine is None:
+            return None
+        found, digest = mine
+        return str(found.path), named, _step_of(found.path), digest, found.skipped
 
     # Rank 0 chooses. Whatever happens there is broadcast, so no rank waits forever.
-    choice: list[Any] = [None]
-    found: Found | None = None
-    failure: BaseException | None = None
-    if ctx.is_main:
-        try:
-            named = names_one(where)  # rank 0 decides, so that every rank does the same
-            mine = _newest_readable(where, named, ctx)
-        except Exception as exc:
-            failure = exc
-            choice = [("error", str(exc) if isinstance(exc, CheckpointError) else None)]
-        else:
-            if mine is not None:
-                found, digest = mine
-                choice = [
-                    ("ok", str(found.path), named, _step_of(found.path), digest, found.skipped)
-                ]
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    if choice[0][0] == "error":
-        if failure is not None:
-            raise failure
-        raise CheckpointError(
-            choice[0][1]
-            or f"rank 0 failed while choosing a checkpoint in {where}: see rank 0's error"
-        )
+    choice = _on_rank0(choose, ctx, f"rank 0 failed while choosing a checkpoint in {where}")
+    if choice is None or not ctx.distributed:
+        return found
 
-    _, chosen, named, step, digest, skipped = choice[0]  # rank 0's path names it in errors
+    chosen, named, step, digest, skipped = choice  # rank 0's path names it in errors
     # A name in the folder: the same file when nodes share it, wherever they mount it.
     path = Path(chosen) if named else Path(where) / Path(chosen).name
     problem: str | None = None

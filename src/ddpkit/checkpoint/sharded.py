@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
+from ddpkit.parallel.fsdp import dcp_failure
 from ddpkit.storage import fsync_folder, host_token, install, this_process
 
 META = "meta.pt"
@@ -112,17 +113,13 @@ def joined_model(folder: Path, scratch: Path | None, fix: str) -> dict[str, Any]
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         joined = Path(tmp, "joined.pt")
         # Reached when the sizes are right and the bytes are not (`damage` checks the
-        # sizes). DCP's own error is a BaseException that holds each rank's error (here
-        # the one rank's).
+        # sizes). DCP's own error is a BaseException, not an Exception.
         try:
             dcp_to_torch_save(folder, joined)
             state = torch.load(joined, map_location="cpu", weights_only=True)
         except (Exception, CheckpointException) as exc:
-            cause: BaseException = exc
-            if isinstance(exc, CheckpointException) and exc.failures:
-                cause = next(iter(exc.failures.values()))[0]
-            first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+            kind, first = dcp_failure(exc)
             raise CheckpointError(
-                f"checkpoint {folder} cannot be read ({type(cause).__name__}: {first}): {fix}"
+                f"checkpoint {folder} cannot be read ({kind}: {first}): {fix}"
             ) from None
     return dict(state["model"])

@@ -131,6 +131,18 @@ def load_sharded_state(path: Path, model: nn.Module, optimizer: Any) -> None:
     )
 
 
+def dcp_failure(exc: BaseException) -> tuple[str, str]:
+    """(the type, the first line) of what `torch.distributed.checkpoint` raised: of its
+    CheckpointException, which holds each rank's own error, the first one's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    cause = exc
+    if isinstance(exc, CheckpointException) and exc.failures:
+        cause = next(iter(exc.failures.values()))[0]
+    text = str(cause).strip()
+    return type(cause).__name__, text.splitlines()[0] if text else ""
+
+
 def cpu_supported() -> bool:
     """Whether FSDP2 runs on CPU ranks with this torch (2.7 gave CPU streams the event
     methods it calls, pytorch#145935)."""

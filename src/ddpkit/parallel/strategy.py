@@ -25,7 +25,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.parallel.compression import bf16_allreduce_hook
-from ddpkit.parallel.fsdp import as_sharded, gathered, load_sharded_state, sharded_state
+from ddpkit.parallel.fsdp import (
+    as_sharded,
+    dcp_failure,
+    gathered,
+    load_sharded_state,
+    sharded_state,
+)
 from ddpkit.parallel.model import load_model_state, model_class_name, sync_buffers, unwrap
 from ddpkit.parallel.sync import no_backward_sync
 from ddpkit.parallel.watch import watcher
@@ -240,6 +246,12 @@ class Strategy:
             return {"sharded": True}, sharded_state(model, optimizer)
         return {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}, None
 
+    @staticmethod
+    def holds_model(state: dict[str, Any]) -> bool:
+        """Whether a checkpoint file's `state` has a model to put back, under either
+        strategy: in itself ("ddp"), or in the shards beside it ("fsdp")."""
+        return "model" in state or bool(state.get("sharded"))
+
     def check_resume(self, path: Path, state: dict[str, Any]) -> None:
         """Raise CheckpointError unless checkpoint `path` (its file's `state`) was written
         under this strategy, as a Trainer resume needs."""
@@ -298,15 +310,12 @@ def _load_shards(path: Path, state: dict[str, Any], model: nn.Module, optimizer:
     try:
         load_sharded_state(path, model, optimizer)
     except (CheckpointException, RuntimeError, ValueError, KeyError) as exc:
-        # DCP raises the same exception on every rank, holding each rank's own error.
-        cause: BaseException = exc
-        if isinstance(exc, CheckpointException) and exc.failures:
-            cause = next(iter(exc.failures.values()))[0]
+        # DCP raises the same exception on every rank, so every rank says the same.
         written = state.get("model_class") or "another model"
-        first = str(cause).strip().splitlines()[0].rstrip(":") if str(cause).strip() else ""
+        kind, first = dcp_failure(exc)
         raise CheckpointError(
             f"{path} holds the sharded state of {written}, which does not fit this job's "
             f"model {model_class_name(model)} or its optimizer "
-            f"({type(cause).__name__}: {first}): give each model its own folder, and build "
+            f"({kind}: {first.rstrip(':')}): give each model its own folder, and build "
             "the optimizer as the run that saved it did"
         ) from None
