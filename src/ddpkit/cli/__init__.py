@@ -116,12 +116,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         print(f"ddpkit: error: {exc}", file=sys.stderr)
         return 1
-    except Preempted as exc:
-        if RUN_WORKER in os.environ:
-            raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
-        print(f"ddpkit: {exc}", file=sys.stderr)
-        return PREEMPTED_EXIT
-    except StoppedAtStart as exc:  # nothing was lost: a requeue starts it again
+    except (Preempted, StoppedAtStart) as exc:  # saved, or nothing lost: a requeue goes on
         if RUN_WORKER in os.environ:
             raise  # a worker of `ddpkit run`: its agent judges the whole job, and says it
         print(f"ddpkit: {exc}", file=sys.stderr)

@@ -103,13 +103,7 @@ def print_job_help(args: argparse.Namespace) -> int:
     argparse prints help while it parses, before it knows which job `--job` names, so
     `-h` only sets a flag and the help is printed here, once the job's DEFAULTS (which
     override TrainConfig's) are known."""
-    from ddpkit.training.jobspec import example_module, load_job
-
-    if args.job is not None:  # "" too: it names no job, and load_job says so
-        job, defaults = args.job, load_job(args.job)[1]
-    else:
-        job = "digits" if args.example is None else args.example
-        defaults = dict(example_module(job).DEFAULTS)
+    job, defaults = _job_defaults(args)
     parser: argparse.ArgumentParser = args.parser
     for action in parser._actions:  # argparse has no public way to change a help text
         if action.dest in defaults and action.help:
@@ -153,19 +147,23 @@ def job_and_config(args: argparse.Namespace) -> tuple[str, TrainConfig]:
     """The job the flags name (an example's name or a MODULE:FUNCTION spec) and its
     TrainConfig: the job's DEFAULTS, then --config's file, then the flags."""
     from ddpkit.cli.config_file import load_config_file, merge_config
-    from ddpkit.training.jobspec import example_module, load_job
 
     # First the flags and the file: a bad one costs no import of the job.
     flags = _flag_values(args)
     from_file = {} if args.config is None else load_config_file(args.config)
-    # An empty --job or --example ("") names no job: refused, not taken as the default.
-    if args.job is not None:
-        _, defaults = load_job(args.job)  # fail here, not in every worker
-        job_name = args.job
-    else:
-        job_name = "digits" if args.example is None else args.example
-        defaults = dict(example_module(job_name).DEFAULTS)
+    job_name, defaults = _job_defaults(args)  # a bad job fails here, not in every worker
     return job_name, TrainConfig(**merge_config(defaults, from_file, flags))
+
+
+def _job_defaults(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """The job that --job or --example names (digits if neither), and its DEFAULTS.
+    An empty one ("") names no job: refused, not taken as the default."""
+    from ddpkit.training.jobspec import example_module, load_job
+
+    if args.job is not None:
+        return args.job, load_job(args.job)[1]
+    job = "digits" if args.example is None else args.example
+    return job, dict(example_module(job).DEFAULTS)
 
 
 def add_process_flags(p: argparse.ArgumentParser) -> None:

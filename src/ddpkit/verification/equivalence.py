@@ -58,6 +58,7 @@ from ddpkit.verification.runs import (
     Stop,
     build,
     check_args,
+    comparable_model,
     fit,
     make_trainer,
     promote_data,
@@ -165,14 +166,7 @@ def _run_both(
     if loop is None:
         say(f"{steps} steps on {nproc} processes, batch {config.batch_size} each...")
         launch(
-            _equivalence_rank,
-            job,
-            config,
-            steps,
-            dtype,
-            str(folder),
-            nprocs=nproc,
-            backend="gloo",
+            _equivalence_rank, job, config, steps, dtype, str(folder), nprocs=nproc, backend="gloo"
         )
     else:
         say(f"{steps} steps of the loop on {nproc} processes...")
@@ -256,13 +250,17 @@ class _Record(Callback):
             torch.save(state, self.folder / f"step-{step}.pt")
             self.digests.append(digests.result())
 
-    def on_fit_start(self, trainer: Trainer) -> None:
-        self.snap(trainer.model, trainer.ctx, 0)
-
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
-        self.snap(trainer.model, trainer.ctx, step)
+    def at(self, model: nn.Module, ctx: DistContext, step: int) -> None:
+        """`snap`, then raise Stop after the last step."""
+        self.snap(model, ctx, step)
         if step >= self.steps:
             raise Stop
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        self.at(trainer.model, trainer.ctx, 0)
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        self.at(trainer.model, trainer.ctx, step)
 
 
 def _equivalence_rank(
@@ -464,11 +462,7 @@ class _LoopWatch:
     def model(self, model: nn.Module) -> nn.Module:
         if self.bare is not None:
             raise ConfigError(_ONE_MODEL)
-        if self.dtype == "float64":
-            model.double()  # in place: an optimizer built before keeps its parameters
-        for module in model.modules():
-            if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-                module.p, self.switched = 0.0, self.switched + 1
+        self.switched = comparable_model(model, self.dtype)
         model.register_forward_pre_hook(self._before_forward)
         self.bare = model
         return model
@@ -564,13 +558,9 @@ def _loop_rank(
     ctx: DistContext, loop: tuple[LoopRef, tuple[Any, ...]], steps: int, dtype: str, folder: str
 ) -> None:
     record = _Record(Path(folder), steps)
-
-    def on_step(model: nn.Module, step: int) -> None:
-        record.snap(model, ctx, step)
-        if step >= steps:
-            raise Stop
-
-    watch = _LoopWatch(Path(folder), ctx.rank, dtype, on_step)
+    watch = _LoopWatch(
+        Path(folder), ctx.rank, dtype, lambda model, step: record.at(model, ctx, step)
+    )
     watch.run(loop, ctx)
     assert watch.bare is not None
     facts = {

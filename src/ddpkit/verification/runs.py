@@ -110,7 +110,7 @@ class _Launched(Exception):
     """Ends a script's `__main__` block at its `launch(main, ...)`, with main's arguments."""
 
 
-def _launched(fn: Any, *args: Any, **launch_options: Any) -> None:
+def _launched(fn: Any, *args: Any, **_: Any) -> None:
     raise _Launched(*args)
 
 
@@ -162,19 +162,24 @@ def resume_cut(steps: int) -> int:
 
 # -- the job, built the way `ddpkit train` builds it ------------------------------------
 def build(ctx: DistContext, job: JobRef, config: TrainConfig, dtype: str) -> tuple[Job, int]:
-    """The job as `ddpkit train` builds it, its model promoted to float64 if asked
-    (`promote_data` does the same for data), with Dropout switched off (one process
-    cannot draw the random masks that N ranks draw); returns how many Dropout layers
-    were switched off."""
+    """The job as `ddpkit train` builds it, its model made comparable
+    (`comparable_model`); returns how many Dropout layers were switched off."""
     built = build_job(ctx, job, config)
+    return built, comparable_model(built.model, dtype)
+
+
+def comparable_model(model: nn.Module, dtype: str) -> int:
+    """Promote `model` to float64 if `dtype` asks (`promote_data` does the same for
+    data) and switch its Dropout off (one process cannot draw the random masks that N
+    ranks draw); how many Dropout layers were switched off."""
     if dtype == "float64":
-        # In place: the optimizer keeps pointing at the same Parameter objects.
-        built.model.double()
+        # In place: an optimizer built before keeps pointing at the same Parameters.
+        model.double()
     switched = 0
-    for module in built.model.modules():
+    for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             module.p, switched = 0.0, switched + 1
-    return built, switched
+    return switched
 
 
 def make_trainer(
