@@ -31,7 +31,6 @@ def model_digest(model: nn.Module) -> str:
     whether or not they are wrapped in DDP or `torch.compile`. A model sharded with
     FSDP is gathered first: call it on every rank then.
     """
-    # The strategy's view of the model: whole tensors, whatever it shards.
     full = Strategy.of(model, DistContext.current()).full_state(model)
     return hashing.tensors_digest(full.items())
 

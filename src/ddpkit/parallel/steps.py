@@ -166,7 +166,7 @@ class StepPlan:
         # Counts in CPU memory, over gloo: counts on a GPU would make the step wait for
         # the device to finish all it has queued. A gloo group of its own beside nccl.
         self._group: Any = None if ctx.distributed else False  # False: nothing to reduce
-        agrees = self.uneven or _length(loader) is None
+        agrees = self.uneven or loader.next_pass()[1] is None  # None: of unknown length
         if agrees and ctx.distributed and ctx.backend != "gloo":
             self._group = dist.new_group(backend="gloo")
         # Stands in when this rank's data has run out (kept from epoch to epoch).
@@ -245,10 +245,3 @@ def _fixed(batches: Iterator[Any], k: int, total: int, done: int) -> Iterator[Mi
     for i, batch in enumerate(batches):
         ends = acc.should_step(i)
         yield MicroBatch(batch, ends, done + i + 1, False, 1.0, float(acc.group_size(i)))
-
-
-def _length(loader: Any) -> int | None:
-    try:
-        return len(loader)
-    except TypeError:  # an IterableDataset without __len__
-        return None

@@ -27,9 +27,11 @@ from ddpkit.errors import CheckpointError, ConfigError
 from ddpkit.parallel.compression import bf16_allreduce_hook
 from ddpkit.parallel.fsdp import (
     as_sharded,
+    check_on_cpu,
     dcp_failure,
     gathered,
     load_sharded_state,
+    shard_model,
     sharded_state,
 )
 from ddpkit.parallel.model import load_model_state, model_class_name, sync_buffers, unwrap
@@ -173,8 +175,6 @@ class Strategy:
                 "dtypes): drop grad_compression, or use precision='bf16' with fsdp"
             )
         if self.name == "fsdp" and backend == "gloo":
-            from ddpkit.parallel.fsdp import check_on_cpu
-
             check_on_cpu(offload)
 
     def wrap(
@@ -191,8 +191,6 @@ class Strategy:
         if not self.ctx.distributed:
             return model
         if self.shards_model:
-            from ddpkit.parallel.fsdp import shard_model
-
             sharded = shard_model(model, self.ctx, **(fsdp or {}))
             if broadcast_buffers and any(True for _ in sharded.buffers()):
                 # As DDP does: each forward starts from rank 0's buffers, so that
