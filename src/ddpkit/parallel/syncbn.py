@@ -296,9 +296,8 @@ def _device_type(module: nn.Module, device: str | torch.device | None) -> str:
     its first parameter or buffer, else "cpu"."""
     if device is not None:
         return torch.device(device).type
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
-        return tensor.device.type
-    return "cpu"
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    return "cpu" if first is None else first.device.type
 
 
 def _convert(
