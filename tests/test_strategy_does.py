@@ -34,11 +34,12 @@ QUESTION = re.compile(
 )
 # Where it is still asked outside parallel/ (the Strategy and the primitives it is made
 # of) and check/ (the static checker, which reads user code, not models): the checkpoint
-# format (a `.pt` file or a `.dcp` folder, on save and on recognising a file), and the
-# Trainer's forwards that every rank must run alike under FSDP.
+# format on save (a `.pt` file or a `.dcp` folder: save_checkpoint's own `shards`; a
+# file is recognised by Strategy.holds_model). The
+# Trainer asks none: the Strategy checks its optimizer, says which ranks compute a
+# gathered value and how many forwards a rank runs to match the others.
 STILL_ASKED = {
-    "checkpoint": 1,  # pt.py: on save (a file is recognised by Strategy.holds_model)
-    "training": 3,  # the Trainer
+    "checkpoint": 1,  # pt.py
 }
 
 

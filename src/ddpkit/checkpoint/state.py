@@ -271,14 +271,7 @@ def load_state(
     saved = restore(
         found, ctx, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler
     )
-    batch = saved.batch
-    if loader is not None and batch:
-        batch = _resume_loader(loader, saved.loader, saved.epoch, batch, saved.rng, ctx)
-    else:
-        if loader is not None:
-            _set_epoch(loader, int(saved.loader.get("epoch", saved.epoch)))
-        if saved.rng is not None:
-            set_rng_state(saved.rng)
+    batch = resume_loader(loader, saved, ctx)
     if ctx.is_main:
         after = f" after batch {batch}" if batch else ""
         log.info(
@@ -409,23 +402,19 @@ def _loader_position(
     }
 
 
-def _set_epoch(loader: DataLoader[Any], epoch: int) -> None:
-    set_epoch = getattr(loader, "set_epoch", None) or getattr(loader.sampler, "set_epoch", None)
-    if callable(set_epoch):
-        set_epoch(epoch)
-
-
-def _resume_loader(
-    loader: DataLoader[Any],
-    saved: Mapping[str, Any],
-    epoch: int,
-    batch: int,
-    rng: dict[str, Any] | None,
-    ctx: DistContext,
-) -> int:
-    """Make the loader's next pass start after the samples that the saved `batch`
-    batches held, and restore `rng` once it has started (see
-    `DistributedLoader.resume_at`). Returns the batches this job counts as done."""
+def resume_loader(loader: DataLoader[Any] | None, saved: Saved, ctx: DistContext) -> int:
+    """Set `loader` where the saved loop was, `load_state`'s and the Trainer's one way:
+    mid-epoch, its next pass starts after the samples that the saved batches held, in
+    the epoch's global order (whatever ranks and batch size trained them), and the
+    random streams are restored once that pass has started (see
+    `DistributedLoader.resume_at`); at an epoch's start, or without a loader, they are
+    restored now. Returns the batches of the epoch that this job counts as done."""
+    if loader is None or not saved.batch:
+        if loader is not None:
+            _set_epoch(loader, int(saved.loader.get("epoch", saved.epoch)))
+        if saved.rng is not None:
+            set_rng_state(saved.rng)
+        return saved.batch
     if not isinstance(loader, DistributedLoader):
         raise ConfigError(
             f"load_state cannot resume a {type(loader).__name__} mid-epoch: pass the loader "
@@ -434,14 +423,22 @@ def _resume_loader(
         )
     # Older states hold no epoch_samples: their batches were of the saved batch size,
     # on as many ranks as they saved random streams for (this job's when unknown).
-    saved_world = int(saved.get("world_size", ctx.world_size))
-    samples = saved.get("epoch_samples")
+    position = saved.loader
+    saved_world = int(position.get("world_size", ctx.world_size))
+    samples = position.get("epoch_samples")
     if samples is None:
-        samples = batch * int(saved.get("batch_size") or loader.batch_size or 1) * saved_world
-    loader.set_epoch(int(saved.get("epoch", epoch)))
+        size = int(position.get("batch_size") or loader.batch_size or 1)
+        samples = saved.batch * size * saved_world
+    loader.set_epoch(int(position.get("epoch", saved.epoch)))
     batch = loader.batches_after(int(samples), ctx.world_size, saved_world)
-    loader.resume_at(batch, rng)
+    loader.resume_at(batch, saved.rng)
     return batch
+
+
+def _set_epoch(loader: DataLoader[Any], epoch: int) -> None:
+    set_epoch = getattr(loader, "set_epoch", None) or getattr(loader.sampler, "set_epoch", None)
+    if callable(set_epoch):
+        set_epoch(epoch)
 
 
 # -- what a weights-only load accepts ---------------------------------------------------

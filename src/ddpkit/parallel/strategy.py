@@ -118,15 +118,19 @@ def prepare_model(
                 "(statistics over the global batch; sync_batchnorm=False turns this off)",
                 converted,
             )
+    ddp_options: dict[str, Any] = {
+        "find_unused_parameters": find_unused_parameters,
+        "static_graph": static_graph,
+        "gradient_as_bucket_view": gradient_as_bucket_view,
+    }
+    if bucket_cap_mb is not None:
+        ddp_options["bucket_cap_mb"] = bucket_cap_mb
     return plan.wrap(
         model,
         fsdp=fsdp,
         broadcast_buffers=broadcast_buffers,
         grad_compression=grad_compression,
-        find_unused_parameters=find_unused_parameters,
-        static_graph=static_graph,
-        gradient_as_bucket_view=gradient_as_bucket_view,
-        **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}),
+        **ddp_options,
     )
 
 
@@ -212,6 +216,28 @@ class Strategy:
         """The whole value of `tensor`: a shard is gathered (a collective: every rank
         calls it, under "fsdp"); any other tensor is returned as it is."""
         return gathered(tensor) if self.shards_model else tensor
+
+    def takes_part(self, here: bool, anywhere: bool) -> bool:
+        """Whether this rank computes a value of `whole` tensors that it wants (`here`)
+        or that some rank wants (`anywhere`, the same on every rank): under "fsdp"
+        `whole` is a collective, which every rank runs when any rank needs it."""
+        return anywhere if self.shards_model else here
+
+    def forwards_to_match(self, done: int, most: Callable[[], int]) -> int:
+        """How many more forwards this rank, having run `done`, runs so that it runs as
+        many as the rank that runs `most()`: under "fsdp" each forward gathers the
+        parameters, a collective that must pair up over the ranks; under "ddp" none."""
+        return max(0, most() - done) if self.shards_model else 0
+
+    def check_optimizer(self, optimizer: object) -> None:
+        """Raise ConfigError for an optimizer built before `wrap` under "fsdp", which
+        replaces the model's parameters (a factory, called after wrapping, is fine)."""
+        if self.shards_model and isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                "strategy fsdp replaces the model's parameters, so the optimizer must be "
+                "built after sharding: pass optimizer=lambda params: torch.optim.AdamW("
+                "params, lr=3e-4) (and a scheduler as lambda opt: ...)"
+            )
 
     def skip_gradient_sync(
         self, model: nn.Module, skip: bool

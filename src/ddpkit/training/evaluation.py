@@ -18,6 +18,7 @@ from ddpkit.parallel.data import ShardSampler
 from ddpkit.parallel.model import unwrap
 from ddpkit.parallel.precision import Precision
 from ddpkit.parallel.ranks import broadcast_object, reduce_sums
+from ddpkit.parallel.strategy import Strategy
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.progress import Bar
 
@@ -35,7 +36,7 @@ class Evaluation:
         loss_of: a batch's loss and outputs, as in training.
         pairs: batches are `(inputs, targets)` pairs whose targets accuracy may use
             (not with a training_step).
-        sharded: the model is FSDP's: every forward gathers, so the ranks run as many.
+        strategy: the model's: under FSDP every forward gathers, so the ranks run as many.
     """
 
     def __init__(
@@ -49,11 +50,11 @@ class Evaluation:
         metrics_fn: MetricsFn | None,
         *,
         pairs: bool,
-        sharded: bool,
+        strategy: Strategy,
     ) -> None:
         self.model, self.loader, self.ctx, self.config = model, loader, ctx, config
         self.precision, self.loss_of, self.metrics_fn = precision, loss_of, metrics_fn
-        self.pairs, self.sharded = pairs, sharded
+        self.pairs, self.strategy = pairs, strategy
 
     def run(self) -> dict[str, float]:
         """The eval set's metrics, the same on every rank (call on every rank)."""
@@ -88,8 +89,9 @@ class Evaluation:
                     weighted = torch.as_tensor(value, device=device).detach().double() * n
                     sums[name] = sums[name] + weighted if name in sums else weighted
                 count += n
-            if self.sharded:
-                self._gather_as_often_as_rank_0(model, batches)
+            stand_ins = self.strategy.forwards_to_match(batches, self._rank_0s_batches)
+            if stand_ins:
+                self._stand_in_forwards(model, stand_ins)
         finally:
             bar.close()
         bare.train(was_training)
@@ -121,11 +123,9 @@ class Evaluation:
             )
         return names
 
-    def _gather_as_often_as_rank_0(self, model: nn.Module, batches: int) -> None:
-        """Run uncounted forwards until this rank has run as many as rank 0, which holds
-        the most eval batches (shards differ by at most one sample): FSDP's parameter
-        gathers must pair up over the ranks. Each runs the loss's and metrics_fn's
-        forwards, as a real batch does (`_forwards`)."""
+    def _rank_0s_batches(self) -> int:
+        """The eval batches rank 0 runs, the most of any rank (shards differ by at most
+        one sample)."""
         loader = self.loader
         shard = cast(ShardSampler, loader.sampler)
         longest = math.ceil(
@@ -133,8 +133,13 @@ class Evaluation:
         )
         if self.config.eval_max_batches is not None:
             longest = min(longest, self.config.eval_max_batches)
-        if batches >= longest:
-            return
+        return longest
+
+    def _stand_in_forwards(self, model: nn.Module, count: int) -> None:
+        """Run `count` uncounted forwards, so that this rank runs as many as rank 0
+        (FSDP's parameter gathers must pair up over the ranks). Each runs the loss's and
+        metrics_fn's forwards, as a real batch does (`_forwards`)."""
+        loader = self.loader
         # The eval set's first sample stands in (a rank may have had none at all). The
         # loader draws its seed from a generator of its own: from the global one, it
         # would move this rank's random stream (and a resume that evaluates again, at
@@ -146,7 +151,7 @@ class Evaluation:
             generator=torch.Generator().manual_seed(0),
         )
         stand_in = to_device(next(iter(first)), self.ctx.device)
-        for _ in range(longest - batches):
+        for _ in range(count):
             self._forwards(model, stand_in)  # its results are dropped: weight 0
 
     def _forwards(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any, Any]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,8 +21,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import Dataset, Sampler
 
-from ddpkit.checkpoint.pt import find_checkpoint, keep_as_best, lock_folder
-from ddpkit.checkpoint.state import checkpoint_state, restore, save_state
+from ddpkit.checkpoint.pt import lock_folder
+from ddpkit.checkpoint.state import checkpoint_state
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.parallel.batches import (
@@ -41,16 +40,11 @@ from ddpkit.parallel.steps import MicroBatch, StepPlan
 from ddpkit.parallel.strategy import Strategy, prepare_model
 from ddpkit.processes.preemption import StopVote, ddpkit_job, saving_on_signal
 from ddpkit.records.runlog import RunLog
-from ddpkit.seed import rank_seed, seed_everything, set_rng_state
+from ddpkit.seed import rank_seed, seed_everything
 from ddpkit.storage import PENDING
+from ddpkit.training import checkpointing
 from ddpkit.training.config import TrainConfig
-from ddpkit.training.decisions import (
-    callback_states,
-    from_evaluation,
-    higher_is_better,
-    load_callback_states,
-    plateau_metric,
-)
+from ddpkit.training.decisions import from_evaluation, higher_is_better, plateau_metric
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.progress import (
     Bar,
@@ -60,11 +54,8 @@ from ddpkit.training.progress import (
     epoch_name,
     eval_parts,
     print_line,
-    resume_line,
     start_line,
 )
-
-log = logging.getLogger("ddpkit")
 
 # Built on the parameters of the prepared model (needed with strategy "fsdp").
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -285,12 +276,7 @@ class Trainer:
             use_tf32(config.tf32)
         # Chosen once: everything that depends on the strategy asks this object.
         self.strategy = Strategy(config.strategy, ctx)
-        if self.strategy.shards_model and isinstance(optimizer, torch.optim.Optimizer):
-            raise ConfigError(
-                "strategy fsdp replaces the model's parameters, so the optimizer must be "
-                "built after sharding: pass optimizer=lambda params: torch.optim.AdamW("
-                "params, lr=3e-4) (and a scheduler as lambda opt: ...)"
-            )
+        self.strategy.check_optimizer(optimizer)
         eval_model = self._prepare_model(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model.parameters())
@@ -317,7 +303,7 @@ class Trainer:
                 self._loss,
                 metrics_fn,
                 pairs=training_step is None,
-                sharded=self.strategy.shards_model,
+                strategy=self.strategy,
             )
         self._decide_with(callbacks, eval_set)
         self.log_fn = log_fn or print_line
@@ -510,7 +496,7 @@ class Trainer:
             seed_everything(rank_seed(cfg.seed, self.ctx.rank))
             self._started = True
             if cfg.resume:
-                self._resume()  # restores every rank's own stream as it was saved
+                checkpointing.resume(self)  # restores every rank's own stream as it was saved
             if cfg.checkpoint_dir and cfg.on_signal == "save":
                 self._vote = StopVote(self.ctx)
         # A resume from an older checkpoint trains its later steps again: their records go;
@@ -562,7 +548,7 @@ class Trainer:
         self.model.train()
         self._sums.start(epoch, self.samples_seen)
         # Resumed from a checkpoint written mid-epoch: the loader starts after the
-        # batches it had trained (`_resume`).
+        # batches it had trained (`checkpointing.resume`).
         skip, total = self.train_loader.next_pass()
         # A run by steps counts steps of max_steps; one by epochs, the epoch's batches.
         steps = self.config.max_steps
@@ -641,14 +627,14 @@ class Trainer:
             self._step_plateau(metrics)
         self._call("on_epoch_end", epoch, metrics)  # early stopping checks here
         self._judged_step = self.global_step  # all before the checkpoint holds it
-        improved = self._new_best(metrics)  # before the checkpoint that keeps it
+        improved = checkpointing.new_best(self, metrics)  # before the checkpoint that keeps it
         last = self._done()
         if cfg.checkpoint_dir and (
             last or (run.whole and cfg.save_every and self.epoch % cfg.save_every == 0)
         ):
             self.save()
         if improved:
-            self._keep_best()
+            checkpointing.keep_best(self)
         return last
 
     def _finish(self, runlog: RunLog) -> FitResult:
@@ -696,7 +682,7 @@ class Trainer:
             # Judged as at an epoch's end, the training loss by the same name: the
             # epoch's mean so far (at the epoch's last step, the epoch line's).
             metrics = {"loss": self._epoch_loss(), **evaluation}
-            improved = self._new_best(metrics)
+            improved = checkpointing.new_best(self, metrics)
             self._step_plateau(metrics)
             for stopper in self.callbacks:
                 if isinstance(stopper, EarlyStopping):
@@ -706,7 +692,7 @@ class Trainer:
         if saves and cfg.checkpoint_dir and self.global_step % saves == 0:
             self.save()  # every rank, after the same step
         if improved:
-            self._keep_best()
+            checkpointing.keep_best(self)
         self._bar.step_done(window)
         signum = self._vote.step() if self._vote is not None else 0
         if signum:  # every rank, after this same step
@@ -737,14 +723,12 @@ class Trainer:
         self.global_step += 1
 
     def _logs_grad_norm(self, window: Window | None) -> bool:
-        """Whether this step's gradient norm goes to the run log. Under FSDP every rank
-        computes it (a collective), so the answer must not depend on the rank: it follows
-        the config, which every rank shares, not rank 0's window."""
+        """Whether this rank computes this step's gradient norm for the run log: rank 0's
+        window wants it, and under FSDP (a collective) every rank computes it when the
+        config, which every rank shares, keeps a run log."""
         if (self.global_step + 1) % self.config.log_every:
             return False
-        if self.strategy.shards_model:
-            return self.config.run_dir is not None
-        return window is not None
+        return self.strategy.takes_part(window is not None, self.config.run_dir is not None)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -790,126 +774,18 @@ class Trainer:
             self._evaluated = self.global_step, self.evaluate()
         return self._evaluated[1]
 
-    # -- checkpoints ----------------------------------------------------------------
+    # -- checkpoints (training/checkpointing.py) ------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint holds (`ddpkit.checkpoint.state.checkpoint_state`, the
         schema `save_state` writes too); with strategy "fsdp" the model and optimizer
         are written as shards instead (see `save`). Not the running epoch's sums of
         every rank, which `save` gathers (a collective)."""
-        return checkpoint_state(ctx=self.ctx, **self._parts())
+        return checkpoint_state(ctx=self.ctx, **checkpointing.parts(self))
 
     def save(self) -> Path:
         """Checkpoint now (call on every rank; rank 0 writes). Also mid-epoch, e.g. from
         a callback's `on_step_end`: a resumed run then continues with the next batch."""
-        if self.config.checkpoint_dir is None:
-            raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
-        parts = self._parts()
-        if self._sums.epoch == self.epoch:  # inside the epoch (same on every rank)
-            parts["extra"]["epoch_sums"] = self._sums.gather()
-        self.last_checkpoint = save_state(
-            self.config.checkpoint_dir, self.ctx, **parts, keep_last=self.config.keep_last
-        )
-        self._saved_step = self.global_step
-        self._call("on_checkpoint", self.last_checkpoint)
-        return self.last_checkpoint
-
-    def _new_best(self, metrics: dict[str, float]) -> bool:
-        """After an evaluation: whether `config.keep_best`'s metric improved; if so it
-        becomes `best` now, before this step's checkpoint is written (which keeps it)."""
-        name = self.config.keep_best
-        if name is None:
-            return False
-        if name not in metrics:
-            raise ConfigError(
-                f"keep_best watches {name!r}, which this run does not report (it has: "
-                f"{', '.join(sorted(metrics))}): choose one of those"
-            )
-        value = metrics[name]
-        if self.best is not None and not (
-            value > self.best if higher_is_better(name) else value < self.best
-        ):
-            return False  # no better (a NaN never is)
-        self.best = value
-        return True
-
-    def _keep_best(self) -> None:
-        """Keep this step's checkpoint (written now unless it was already) as best.pt."""
-        path = self.last_checkpoint if self._saved_step == self.global_step else None
-        best = keep_as_best(path or self.save(), self.ctx)
-        self.say(f"{self.config.keep_best} {self.best:.4f} is the best so far: kept as {best}")
-
-    def _parts(self) -> dict[str, Any]:
-        """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
-        own values (callbacks, samples seen, an early stop, the config) are its extra."""
-        extra = {
-            "callbacks": callback_states(self.callbacks),
-            "samples_seen": self.samples_seen,
-            "should_stop": self.should_stop,
-            "best": self.best,
-            "judged_step": self._judged_step,
-            "config": self.config.to_dict(),
-        }
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.precision.scaler,
-            "loader": self.train_loader,
-            "epoch": self.epoch,
-            "batch": self.batch,
-            "step": self.global_step,
-            "extra": extra,
-        }
-
-    def _resume(self) -> None:
-        assert self.config.checkpoint_dir is not None
-        found = find_checkpoint(self.config.checkpoint_dir, self.ctx)
-        if found is None:
-            self.say(f"no checkpoint in {self.config.checkpoint_dir}: starting from epoch 1")
-            return
-        self.strategy.check_resume(found.path, found.state)
-        saved = restore(
-            found,
-            self.ctx,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.precision.scaler,
-        )
-        unused = load_callback_states(self.callbacks, saved.extra.get("callbacks"), saved.path)
-        if unused:
-            self.say(
-                f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
-            )
-        self.epoch, self.global_step, self.batch = saved.epoch, saved.step, saved.batch
-        self._resumed_step, self._resumed_inside = saved.step, saved.batch > 0
-        if self.batch:
-            self._reposition(saved.loader)
-        if self.batch:  # the loader's next pass starts after them, then restores the RNG
-            self.train_loader.resume_at(self.batch, saved.rng)
-        elif saved.rng is not None:
-            set_rng_state(saved.rng)
-        self.samples_seen = int(saved.extra.get("samples_seen", 0))
-        self._sums.resume(saved.extra.get("epoch_sums"), self.epoch, self.samples_seen)
-        self.should_stop = bool(saved.extra.get("should_stop", False))
-        self.best = saved.extra.get("best")
-        self._judged_step = int(saved.extra.get("judged_step", -1))
-        self.last_checkpoint = saved.path
-        # Said once, by rank 0, as what happened (the skipped files are already skipped).
-        skipped = f"{found.skip_note()}; " if found.skipped else ""
-        where = (self.epoch, self.batch, self.global_step, self.should_stop)
-        self.say(skipped + resume_line(self.config, saved.path, *where))
-
-    def _reposition(self, loader: dict[str, Any]) -> None:
-        """Resume mid-epoch after the samples the saved run trained, in the epoch's
-        global order: on as many ranks with the same batch size, that is the same
-        batch; on another number of ranks, what is left of the order is shared out over
-        this job's ranks (each sample of the epoch is trained once)."""
-        world = self.ctx.world_size
-        old_world = int(loader.get("world_size", world))
-        old_size = int(loader.get("batch_size") or self.config.batch_size)
-        samples = int(loader.get("epoch_samples", self.batch * old_size * old_world))
-        self.batch = self.train_loader.batches_after(samples, world, old_world)
+        return checkpointing.save(self)
 
     # -- pieces of a step -------------------------------------------------------------
     def _loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
