@@ -3,7 +3,7 @@
 Two measurements, each contestant launched on its own process and alternating:
 
 - one process, CPU time of the training loop of an MLP, with and without the audit's
-  hooks installed (`ddpkit.processes.audit.install`): the per-step cost, free of
+  hooks installed (`ddpkit.inrank.audit.install`): the per-step cost, free of
   machine noise;
 - `ddpkit run --nproc 2`, the loop's wall time as the script measures it, with and
   without `--audit` (the hooks, and the weights hashed once at the end, outside the
@@ -77,7 +77,7 @@ def _result(output: str) -> dict[str, float]:
 
 def _one_process(script: Path, steps: int, audited: bool) -> float:
     """CPU seconds of the loop in one fresh process, hooks installed or not."""
-    prelude = "from ddpkit.processes import audit; audit.install(0)\n" if audited else ""
+    prelude = "from ddpkit.inrank import audit; audit.install(0)\n" if audited else ""
     code = prelude + f"import sys; sys.argv = ['job', '{steps}']\n" + script.read_text()
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
@@ -107,7 +107,7 @@ def _hook_share(script: Path, steps: int) -> float:
     as a share of one plain step of the job: the cost the noise of whole runs hides."""
     import torch
 
-    from ddpkit.processes.audit import _Recorder
+    from ddpkit.inrank.audit import _Recorder
 
     recorder = _Recorder(0)
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)

@@ -2,7 +2,7 @@
 
 With a checkpoint folder, a `Trainer` saves and stops on SIGTERM, SIGUSR1 or Ctrl-C,
 and its ranks agree on the step to stop after with a small all-reduce (the stop vote,
-`ddpkit.processes.preemption.StopVote`). It used to run after every optimizer step, which cost
+`ddpkit.inrank.preemption.StopVote`). It used to run after every optimizer step, which cost
 15-50 % of the few-millisecond steps of a small CPU job; it now runs about every
 0.1 s of steps.
 

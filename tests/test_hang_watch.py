@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddpkit
 from ddpkit import DistContext, launch
 from ddpkit.errors import HangError
+from ddpkit.inrank.watchdog import _Activity
 from ddpkit.parallel.fsdp import cpu_supported
 from ddpkit.parallel.ranks import all_gather_object
-from ddpkit.processes.watchdog import _Activity
 
 HANG_TIMEOUT = 4.0
 # The collective timeout of the jobs that must be stopped as hung: small, so that a

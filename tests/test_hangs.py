@@ -20,8 +20,8 @@ from torch.utils.data import TensorDataset
 import ddpkit
 from ddpkit import Callback, DistContext, TrainConfig, Trainer, launch
 from ddpkit.errors import ConfigError, HangError
+from ddpkit.inrank.watchdog import _user_frame, describe
 from ddpkit.parallel.fsdp import cpu_supported
-from ddpkit.processes.watchdog import _user_frame, describe
 from tests.conftest import ROOT, run_cli
 from tests.test_launch import _barrier_on_rank0_only  # a mismatch of collectives
 
@@ -462,7 +462,7 @@ def test_a_rank_waiting_in_fsdps_gradient_clipping_is_seen_there() -> None:
 def test_a_main_thread_blocked_in_autograds_engine_is_in_ddps_all_reduce() -> None:
     # The frame a sample finds while the engine waits on DDP's all-reduce from C++; a
     # Python hook of the backward (the user's code) is not such a wait.
-    from ddpkit.processes.watchdog import GRADIENT_ALL_REDUCE, native_wait
+    from ddpkit.inrank.watchdog import GRADIENT_ALL_REDUCE, native_wait
 
     seen: list[str | None] = []
     weight = torch.ones(2, requires_grad=True)

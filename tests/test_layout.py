@@ -94,6 +94,9 @@ LAYERS: list[tuple[str, ...]] = [
         "ddpkit.collectives",
         "ddpkit.seed",
     ),
+    # What runs inside each rank for the supervisor: `processes` starts it and reads what
+    # it leaves, `parallel` and `training` call it.
+    ("ddpkit.inrank",),
     ("ddpkit.check", "ddpkit.processes", "ddpkit.records"),
     ("ddpkit.parallel",),
     ("ddpkit.checkpoint",),

@@ -418,7 +418,7 @@ class _StuckAfterTheSignal(ddpkit.Callback):
     """A rank that never reaches its save once a stop signal has come."""
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
-        from ddpkit.processes.preemption import requested
+        from ddpkit.inrank.preemption import requested
 
         if requested():
             time.sleep(600)
@@ -987,7 +987,7 @@ def test_a_saving_loop_routes_only_the_stop_signals_nobody_chose_and_puts_them_b
     # A process no launch worker prepared (a script with its own process group): the
     # loop that saves routes the signals still at Python's defaults to its save, for
     # its time only; a handler of the script's own stays.
-    from ddpkit.processes import preemption
+    from ddpkit.inrank import preemption
 
     def mine(signum: int, frame: object) -> None:
         pass

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 _CPU = torch.device("cpu")
 # Called by every `DistContext.current()`: a worker of `ddpkit run` registers here the note
-# that this rank runs ddpkit's code (processes.preemption.ddpkit_job: a stop signal before
+# that this rank runs ddpkit's code (inrank.preemption.ddpkit_job: a stop signal before
 # the first step then ends the job with 75), which this layer may not import.
 ON_CURRENT: list[Callable[[], None]] = []
 

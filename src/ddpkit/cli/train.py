@@ -28,15 +28,15 @@ from ddpkit.cli.flags import (
     print_job_help,
 )
 from ddpkit.errors import PREEMPTED_EXIT, RUN_WORKER, Preempted, StoppedAtStart
-from ddpkit.processes.config import LaunchConfig
-from ddpkit.processes.preemption import (
-    DEFAULT_SIGNAL_GRACE,
+from ddpkit.inrank.preemption import (
     STOP_SIGNALS,
     install_handlers,
     restore_handlers,
     starting_up,
     stopped_while_starting,
 )
+from ddpkit.processes.config import LaunchConfig
+from ddpkit.processes.preemption import DEFAULT_SIGNAL_GRACE
 
 HELP = "train a built-in job (default: digits) or your own (--job) with DDP"
 

@@ -28,9 +28,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.inrank.preemption import ddpkit_job
 from ddpkit.parallel.batches import map_tensors
 from ddpkit.parallel.watch import TrainingData, watcher
-from ddpkit.processes.preemption import ddpkit_job
 from ddpkit.seed import rank_seed, rng_state, set_rng_state
 
 # Per-epoch reseeding of the loader's generator keeps worker seeds a function of

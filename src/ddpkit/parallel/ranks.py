@@ -26,8 +26,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
-from ddpkit.processes.output import PREFIX_ENV
-from ddpkit.processes.watchdog import expect
+from ddpkit.inrank.output import PREFIX_ENV
+from ddpkit.inrank.watchdog import expect
 
 T = TypeVar("T")
 

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError, ConfigError
+from ddpkit.inrank.preemption import ddpkit_job
 from ddpkit.parallel.compression import bf16_allreduce_hook
 from ddpkit.parallel.fsdp import (
     as_sharded,
@@ -37,7 +38,6 @@ from ddpkit.parallel.fsdp import (
 from ddpkit.parallel.model import load_model_state, model_class_name, sync_buffers, unwrap
 from ddpkit.parallel.sync import no_backward_sync
 from ddpkit.parallel.watch import watcher
-from ddpkit.processes.preemption import ddpkit_job
 
 log = logging.getLogger("ddpkit")
 

@@ -85,7 +85,7 @@ class LaunchConfig:
     audit: bool = False
     """Watch what the ranks do (optimizer steps, saves, loads, samplers, the DDP wrap, the
     group's end) and, after the job, print the DDP pitfalls it actually committed, in the
-    checker's format (see `ddpkit.processes.audit`). Off by default; it costs a lookup per
+    checker's format (see `ddpkit.inrank.audit`). Off by default; it costs a lookup per
     optimizer step and one hash of the weights at the end. With one process there is
     nothing to compare; under an agent, use `ddpkit run --audit`."""
     log_dir: str | None = None

@@ -31,6 +31,14 @@ import torch.distributed as dist
 
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, HangError, Preempted, StoppedAtStart, WorkerError
+from ddpkit.inrank.preemption import (
+    STOP_SIGNALS,
+    ddpkit_job,
+    install_handlers,
+    restore_handlers,
+    starting_up,
+    stopped_while_starting,
+)
 from ddpkit.processes.audit import findings as audit_findings
 from ddpkit.processes.audit import report as audit_report
 from ddpkit.processes.config import LOOPBACK, LaunchConfig
@@ -42,15 +50,7 @@ from ddpkit.processes.machine import (
     under_torchrun,
 )
 from ddpkit.processes.nccl import TRACE_PREFIX, nccl_watch
-from ddpkit.processes.preemption import (
-    STOP_SIGNALS,
-    SignalForwarder,
-    ddpkit_job,
-    install_handlers,
-    restore_handlers,
-    starting_up,
-    stopped_while_starting,
-)
+from ddpkit.processes.preemption import SignalForwarder
 from ddpkit.processes.report import (
     HangJudge,
     HangWatch,

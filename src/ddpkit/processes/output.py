@@ -19,14 +19,13 @@ lines; each whole line then goes
 A progress bar, redrawn with "\\r", is drawn as it comes when the console is a terminal;
 a log keeps the last drawing of each line only.
 
-The worker's side (`attach`, `log_only`) imports nothing but the standard library.
+The worker's side, `attach` and `log_only`, is `ddpkit.inrank.output`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import os
 import secrets
 import selectors
 import socket
@@ -36,97 +35,18 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, BinaryIO
 
+from ddpkit.inrank.output import OUTPUT_ENV, PREFIX_ENV, STREAM_FDS, TTY_ENV
 from ddpkit.processes.config import LOOPBACK
 
-# The workers' environment: where to send their output (host:port:token), which of the
-# console's streams are terminals ("out,err", "err", ...), and "1" when the agent puts
-# the rank before each line (ddpkit.print then leaves its own out).
-OUTPUT_ENV = "DDPKIT_RUN_OUTPUT"
-TTY_ENV = "DDPKIT_RUN_TTY"
-PREFIX_ENV = "DDPKIT_RANK_PREFIX"
-
-# The file descriptor each stream of a worker replaces; "log" goes to the log alone.
-_FDS = {"out": 1, "err": 2}
-_KINDS = ("out", "err", "log")
+# The streams a worker sends: its stdout and stderr, and "log", which goes to its log alone.
+_KINDS = (*STREAM_FDS, "log")
 # Clears the terminal's line (back to its start, then erase): before a line is written
 # over a progress bar that has not ended its line.
 _ERASE = b"\r\x1b[K"
 # A "line" that never ends (binary data, a bar without "\r") is cut at this length.
 _LONGEST = 1 << 20
-
-
-# -- the worker's side -------------------------------------------------------------
-
-
-def attach() -> bool:
-    """Send this worker's stdout and stderr to `ddpkit run`'s process, which shows them
-    and keeps them in this rank's log. False, with the output left as it was, outside
-    `ddpkit run` or when its process cannot be reached."""
-    address = os.environ.get(OUTPUT_ENV)
-    if not address:
-        return False
-    try:
-        sockets = {kind: _connect(address, kind) for kind in _FDS}
-    except (OSError, ValueError):
-        return False
-    terminals = os.environ.get(TTY_ENV, "").split(",")
-    for kind, sock in sockets.items():
-        stream = sys.stdout if kind == "out" else sys.stderr
-        if stream is not None:
-            stream.flush()  # what was said before goes where it was going
-        os.dup2(sock.fileno(), _FDS[kind])
-        sock.close()
-    # Libraries ask sys.stdout whether it is a terminal (progress bars, colours); a
-    # socket would say no where the user's console says yes.
-    if "out" in terminals and sys.stdout is not None:
-        sys.stdout = _Terminal(sys.stdout)
-    if "err" in terminals and sys.stderr is not None:
-        sys.stderr = _Terminal(sys.stderr)
-    return True
-
-
-def log_only(text: str) -> bool:
-    """Write `text` to this rank's log but not to the console (a whole traceback: the
-    agent shows its own account of it). False outside `ddpkit run`."""
-    address = os.environ.get(OUTPUT_ENV)
-    if not address:
-        return False
-    try:
-        with _connect(address, "log") as sock:
-            sock.sendall(text.encode(errors="replace"))
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _connect(address: str, kind: str) -> socket.socket:
-    host, port, token = address.rsplit(":", 2)
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.settimeout(None)  # blocking, as a terminal or a pipe is
-    env = os.environ
-    who = [env.get("RANK", "0"), env.get("LOCAL_RANK", "0")]
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    sock.sendall(f"{token} {' '.join(who)} {attempt} {kind}\n".encode())
-    return sock
-
-
-class _Terminal:
-    """A worker's sys.stdout or sys.stderr that says it is a terminal, as the console
-    that shows it is; everything else is the stream's own."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self._stream = stream
-
-    def isatty(self) -> bool:
-        return True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-# -- ddpkit run's side ---------------------------------------------------------------
 
 
 @dataclass(eq=False)  # each connection is its own, in a set
@@ -364,7 +284,7 @@ class RankOutput:
 
     def _end(self, stream: _Stream) -> None:
         """The connection ended (its worker exited): its last line, if it never ended."""
-        if stream.kind in _FDS and stream.pending:
+        if stream.kind in STREAM_FDS and stream.pending:
             last = _last_drawing(stream.pending)
             if last.strip() or not stream.pending.startswith(b"\r"):  # not an erased bar
                 self._lines(stream, [last])

@@ -85,14 +85,14 @@ def _refused(folder: Path | None, rank: int, exc: BaseException) -> int:
 def main() -> None:
     # First, before the imports that take seconds (torch): torchrun's agent stops every
     # rank as soon as one fails, and what a rank says while it starts is its output too.
-    from ddpkit.processes.output import attach, log_only
+    from ddpkit.inrank.output import attach, log_only
 
     attach()
     from ddpkit.errors import PREEMPTED_EXIT, Preempted, StoppedAtStart
-    from ddpkit.processes import audit, preemption, rehearse
-    from ddpkit.processes.audit import AUDIT_ENV
+    from ddpkit.inrank import audit, preemption
+    from ddpkit.inrank.watchdog import Watchdog, record_error
+    from ddpkit.processes import rehearse
     from ddpkit.processes.launcher import ReleasedByLaunch
-    from ddpkit.processes.watchdog import Watchdog, record_error
     from ddpkit.processes.workers import die_with_parent, exit_now
 
     # Never outlive the agent, even if it is killed with SIGKILL.
@@ -116,7 +116,7 @@ def main() -> None:
         starting = preemption.starting_up(
             on_first_step=lambda: preemption.tell_agent(preemption.TRAINED_NOTE)
         )
-        if os.environ.get(AUDIT_ENV):
+        if os.environ.get(audit.AUDIT_ENV):
             recorder = audit.install(rank)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()

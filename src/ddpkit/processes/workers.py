@@ -23,19 +23,19 @@ import torch
 
 from ddpkit.context import DistContext
 from ddpkit.errors import Preempted
-from ddpkit.processes import audit
-from ddpkit.processes.config import LOOPBACK
-from ddpkit.processes.group import destroy_group, device_for, init_group
-from ddpkit.processes.machine import threads_per_rank
-from ddpkit.processes.nccl import nccl_watch
-from ddpkit.processes.preemption import (
+from ddpkit.inrank import audit
+from ddpkit.inrank.preemption import (
     STOP_SIGNALS,
     install_handlers,
     leave_notices_to_launcher,
     starting_up,
 )
+from ddpkit.inrank.watchdog import Watchdog, format_exception, waited_in
+from ddpkit.processes.config import LOOPBACK
+from ddpkit.processes.group import destroy_group, device_for, init_group
+from ddpkit.processes.machine import threads_per_rank
+from ddpkit.processes.nccl import nccl_watch
 from ddpkit.processes.store import TCPStore, loopback_interface
-from ddpkit.processes.watchdog import Watchdog, format_exception, waited_in
 from ddpkit.seed import start_rank_streams
 
 

@@ -25,6 +25,7 @@ from ddpkit.checkpoint.pt import lock_folder
 from ddpkit.checkpoint.state import checkpoint_state
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, Preempted
+from ddpkit.inrank.preemption import StopVote, ddpkit_job, saving_on_signal
 from ddpkit.parallel.batches import (
     LossFn,
     MetricsFn,
@@ -38,7 +39,6 @@ from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
 from ddpkit.parallel.steps import MicroBatch, StepPlan
 from ddpkit.parallel.strategy import Strategy, prepare_model
-from ddpkit.processes.preemption import StopVote, ddpkit_job, saving_on_signal
 from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything
 from ddpkit.storage import PENDING

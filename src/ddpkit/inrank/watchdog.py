@@ -61,7 +61,7 @@ _PLUMBING = (
     "ddpkit/processes/launcher.py",
     "ddpkit/processes/workers.py",
     "ddpkit/processes/shim.py",
-    "ddpkit/processes/audit.py",
+    "ddpkit/inrank/audit.py",
     "ddpkit/processes/rehearse.py",
 )
 
