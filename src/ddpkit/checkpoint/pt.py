@@ -45,6 +45,7 @@ from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
 from ddpkit.parallel.model import load_model_state as load_model_state  # its home; named here too
 from ddpkit.parallel.model import model_class_name, strip_prefixes, unwrap
+from ddpkit.parallel.ranks import all_gather_object
 from ddpkit.parallel.strategy import Strategy
 from ddpkit.seed import rng_state
 from ddpkit.storage import (
@@ -869,8 +870,7 @@ def find_checkpoint(where: str | os.PathLike[str], ctx: DistContext) -> Found | 
         found = Found(path, state, skipped)
 
     # Everyone agrees on the outcome, so one rank's failure stops every rank.
-    problems: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(problems, problem)
+    problems = all_gather_object(problem)
     failed = [r for r, p in enumerate(problems) if p is not None]
     if failed:
         reasons = "; ".join(f"rank {r}: {problems[r]}" for r in failed)

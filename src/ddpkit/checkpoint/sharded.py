@@ -18,11 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
 from ddpkit.parallel.fsdp import dcp_failure
+from ddpkit.parallel.ranks import broadcast_object
 from ddpkit.storage import fsync_folder, host_token, install, this_process
 
 META = "meta.pt"
@@ -33,20 +32,13 @@ INDEX = ".metadata"  # DCP's own: where each item of each rank lies in which sha
 def write_shards(tensors: dict[str, Any], path: Path, ctx: DistContext) -> Path:
     """Every rank writes its shards of `tensors` into a new temporary folder beside
     `path`; returns that folder (the same on every rank). A collective."""
-    name: list[Any] = [None]
+    made = ""  # rank 0 makes the folder; what the others pass is ignored
     if ctx.is_main:
         me = this_process()
         path.parent.mkdir(parents=True, exist_ok=True)
-        name = [
-            tempfile.mkdtemp(
-                prefix=f".{path.name}.{me.pid}@{host_token(me.host)}.",
-                suffix=".tmp",
-                dir=path.parent,
-            )
-        ]
-    if ctx.distributed:
-        dist.broadcast_object_list(name, src=0)
-    tmp = Path(name[0])
+        prefix = f".{path.name}.{me.pid}@{host_token(me.host)}."
+        made = tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent)
+    tmp = Path(broadcast_object(made))
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     dcp_save(tensors, checkpoint_id=tmp)
