@@ -18,10 +18,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from ddpkit.context import DistContext
 from ddpkit.errors import CheckpointError
 from ddpkit.parallel.fsdp import dcp_failure
-from ddpkit.parallel.ranks import broadcast_object
 from ddpkit.storage import fsync_folder, host_token, install, this_process
 
 META = "meta.pt"
@@ -32,13 +33,15 @@ INDEX = ".metadata"  # DCP's own: where each item of each rank lies in which sha
 def write_shards(tensors: dict[str, Any], path: Path, ctx: DistContext) -> Path:
     """Every rank writes its shards of `tensors` into a new temporary folder beside
     `path`; returns that folder (the same on every rank). A collective."""
-    made = ""  # rank 0 makes the folder; what the others pass is ignored
+    name: list[Any] = [None]
     if ctx.is_main:
         me = this_process()
         path.parent.mkdir(parents=True, exist_ok=True)
         prefix = f".{path.name}.{me.pid}@{host_token(me.host)}."
-        made = tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent)
-    tmp = Path(broadcast_object(made))
+        name = [tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent)]
+    if ctx.distributed:  # by the context, as ever: not by whatever group is initialised
+        dist.broadcast_object_list(name, src=0)
+    tmp = Path(name[0])
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     dcp_save(tensors, checkpoint_id=tmp)
