@@ -82,11 +82,6 @@ def run(args: argparse.Namespace) -> int:
             raise  # a worker of `ddpkit run`: its shim tells the agent, which says it once
         print(f"ddpkit: {exc}\nddpkit: to continue: {_resume_command(config)}", file=sys.stderr)
         return PREEMPTED_EXIT
-    except StoppedAtStart as exc:
-        if RUN_WORKER in os.environ:
-            raise  # a worker of `ddpkit run`: its agent judges the whole job, and says it
-        print(f"ddpkit: {exc}", file=sys.stderr)  # the same command starts it again
-        return PREEMPTED_EXIT
     except KeyboardInterrupt:
         if config is None:
             raise  # before the job was read: nothing to say but that (see cli._run)

@@ -37,6 +37,7 @@ from ddpkit.processes.machine import threads_per_rank
 from ddpkit.processes.nccl import nccl_watch
 from ddpkit.processes.store import TCPStore, loopback_interface
 from ddpkit.seed import start_rank_streams
+from ddpkit.storage import is_running
 
 
 @dataclass(frozen=True)
@@ -98,16 +99,6 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def worker(
     rank: int, spec: Spec, fn: Callable[..., Any], args: tuple[Any, ...], conn: Connection
 ) -> None:
@@ -129,7 +120,7 @@ def worker(
             os.close(parent.fd)
         # Its parent is the server, which ends when the launcher does.
         die_with_parent()
-        if not _alive(spec.parent_pid):
+        if not is_running(spec.parent_pid):
             os._exit(1)
     # A process group of its own, as torchrun gives its workers: a terminal's Ctrl-C
     # reaches the launcher alone, which passes it on once, so a SIGINT that reaches a
@@ -198,24 +189,12 @@ def _run_rank(
     code = 0
     try:
         device = device_for(spec.backend, rank)
+        how: dict[str, Any] = {"init_method": f"file://{spec.init_file}"}
         if spec.store_port is not None:
-            store = TCPStore(
-                LOOPBACK,
-                spec.store_port,
-                world,
-                is_master=False,
-                timeout=timedelta(seconds=spec.timeout_s),
-            )
-            init_group(spec.backend, rank, world, device, group_timeout, store=store)
-        else:
-            init_group(
-                spec.backend,
-                rank,
-                world,
-                device,
-                group_timeout,
-                init_method=f"file://{spec.init_file}",
-            )
+            timeout = timedelta(seconds=spec.timeout_s)
+            store = TCPStore(LOOPBACK, spec.store_port, world, is_master=False, timeout=timeout)
+            how = {"store": store}
+        init_group(spec.backend, rank, world, device, group_timeout, **how)
         initialised = True
         result = fn(DistContext(rank, rank, world, world, device, spec.backend), *args)
         if watchdog is not None:
