@@ -118,19 +118,15 @@ def prepare_model(
                 "(statistics over the global batch; sync_batchnorm=False turns this off)",
                 converted,
             )
-    ddp_options: dict[str, Any] = {
-        "find_unused_parameters": find_unused_parameters,
-        "static_graph": static_graph,
-        "gradient_as_bucket_view": gradient_as_bucket_view,
-    }
-    if bucket_cap_mb is not None:
-        ddp_options["bucket_cap_mb"] = bucket_cap_mb
     return plan.wrap(
         model,
         fsdp=fsdp,
         broadcast_buffers=broadcast_buffers,
         grad_compression=grad_compression,
-        **ddp_options,
+        find_unused_parameters=find_unused_parameters,
+        static_graph=static_graph,
+        gradient_as_bucket_view=gradient_as_bucket_view,
+        **({} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}),
     )
 
 
