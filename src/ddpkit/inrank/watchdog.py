@@ -35,6 +35,7 @@ from types import FrameType
 from typing import Any, NamedTuple
 
 from ddpkit.collectives import COLLECTIVES, POINT_TO_POINT
+from ddpkit.inrank.deadlock import fork_deadlock_hint, stuck_for_good, waited_worker
 from ddpkit.storage import write_json
 
 # torch's own frames too: a rank blocked in DDP's gradient all-reduce sits in
@@ -162,6 +163,10 @@ _NATIVE_WAITS = {
     ),
     (os.path.join("nn", "parallel", "distributed.py"), "_distributed_broadcast_coalesced"): (
         "DDP's broadcast of the buffers in forward()"
+    ),
+    # Once, on the second step: the buckets rebuilt in the order gradients came.
+    (os.path.join("nn", "parallel", "distributed.py"), "_pre_forward"): (
+        "DDP's broadcast of its rebuilt gradient buckets in forward()"
     ),
     # DTensor's collectives (FSDP's gradient clipping, full_tensor()): launched at once,
     # waited on when the result is used.
@@ -496,9 +501,12 @@ class Watchdog:
         signature = tuple((f.f_code.co_filename, f.f_lineno) for f in _frames(frame))
         now = time.time()
         wakeups = self._activity.wakeups()
-        if signature != self._signature or wakeups != self._wakeups:
-            self._signature, self._wakeups = signature, wakeups
+        # A DataLoader polls its workers: when the one it waits for can never run again,
+        # the rank is parked however often it wakes.
+        stuck = next((pid for pid in waited_worker(frame) if stuck_for_good(pid)), None)
+        if stuck is None and (signature != self._signature or wakeups != self._wakeups):
             self._moved = now  # it moves: it may be polling, so it is not parked
+        self._signature, self._wakeups = signature, wakeups
         # Waiting for a child that uses no CPU (a `sleep`, a download stalled on the
         # network) is not parked either: the child may still end. It is uncertain, as
         # polling is; DataLoader workers idle beside a deadlocked main thread are not.
@@ -516,6 +524,7 @@ class Watchdog:
             active=self._active,  # the rank last showed that it works
             expected_work=_EXPECTED["work"] > 0,
             child_wait=child_wait,
+            stuck_worker=None if stuck is None else {"pid": stuck, "hint": fork_deadlock_hint()},
             where=describe(_user_frame(frame)),
             collective=collective,
             collectives_done=self.tracker.count

@@ -10,6 +10,7 @@ the others waiting.
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import os
 import sys
@@ -30,6 +31,14 @@ from ddpkit.inrank.output import PREFIX_ENV
 from ddpkit.inrank.watchdog import expect
 
 T = TypeVar("T")
+
+# The tensors of ddpkit's own collectives, kept alive a while after each. The backend's
+# threads (gloo's) drop their references just after a collective completes; when theirs
+# is the last, freeing the tensor's Python object takes Python's lock from that thread,
+# and a process forked at that moment (a DataLoader worker started right after an
+# epoch's reduction) can deadlock at birth on CPython before 3.11.10 (gh-112275). Holding
+# the last reference here frees the tensor on the caller's thread instead.
+_SENT: collections.deque[torch.Tensor] = collections.deque(maxlen=16)
 
 
 def _group_rank() -> int:
@@ -109,6 +118,7 @@ def _gather_same_shape(tensor: torch.Tensor) -> torch.Tensor:
     bool_ = tensor.dtype == torch.bool  # not every backend sends bools
     local = (tensor.to(torch.uint8) if bool_ else tensor).detach().to(device).contiguous()
     parts = [torch.empty_like(local) for _ in range(_group_size())]
+    _SENT.extend([local, *parts])
     dist.all_gather(parts, local)
     out = torch.stack(parts).to(tensor.device)
     return out.bool() if bool_ else out
@@ -410,6 +420,7 @@ def reduce_sums(values: Sequence[Number], ctx: DistContext | None = None) -> lis
     # nccl only reduces tensors on the GPU; gloo wants them on the CPU.
     packed = torch.stack([_double(v).to(ctx.device) for v in values])
     if ctx.distributed:
+        _SENT.append(packed)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM)
     return [float(x) for x in packed.cpu().tolist()]
 

@@ -297,6 +297,19 @@ class HangJudge:
         waited: float,
     ) -> tuple[str, list[str]]:
         """Why the job is hung, and what to look for (lines of advice)."""
+        stuck = [r for r in others if statuses[r].get("stuck_worker")]
+        if stuck:
+            worker = statuses[stuck[0]]["stuck_worker"]
+            return (
+                f"{_ranks(waiters)} waited {waited:.0f} s while "
+                + "; ".join(f"rank {r} is {_doing(statuses[r], kinds[r])}" for r in stuck)
+            ), [
+                worker.get("hint")
+                or "a worker forked while another thread of its rank held a lock (one of "
+                "yours, or a library's) never gets it: take the lock in the worker itself, or "
+                "start the workers without fork: "
+                'DataLoader(..., multiprocessing_context="forkserver")'
+            ]
         if others:
             return (
                 f"{_ranks(waiters)} waited {waited:.0f} s while {_ranks(others)} stayed at one "
@@ -410,6 +423,11 @@ def _doing(status: dict[str, Any], kind: str) -> str:
     """What a rank that does not wait does, in words that read after "rank 1 is"."""
     if kind == "polling" and status.get("child_wait"):
         return "waiting for a child process that uses no CPU"
+    if status.get("stuck_worker"):
+        return (
+            f"waiting for its DataLoader worker (pid {status['stuck_worker']['pid']}), which can "
+            "never run again: it has one thread, asleep on a lock of its own with no timeout"
+        )
     return {
         "working": "busy (using the CPU or reading data)",
         "polling": "polling (it wakes up, but uses no CPU)",
