@@ -213,6 +213,20 @@ class Strategy:
         calls it, under "fsdp"); any other tensor is returned as it is."""
         return gathered(tensor) if self.shards_model else tensor
 
+    def gradient_norm(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The 2-norm of the gradients of `params`, all together (None when none has
+        one); of sharded gradients, a collective (see `takes_part`)."""
+        grads = [p.grad.detach() for p in params if p.grad is not None]
+        if not grads:
+            return None
+        get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # 2.6 may lack it
+        if get_total_norm is not None:
+            total: torch.Tensor = get_total_norm(grads)
+        else:
+            norms = [torch.linalg.vector_norm(g.float()) for g in grads]
+            total = torch.linalg.vector_norm(torch.stack(norms))
+        return self.whole(total)
+
     def takes_part(self, here: bool, anywhere: bool) -> bool:
         """Whether this rank computes a value of `whole` tensors that it wants (`here`)
         or that some rank wants (`anywhere`, the same on every rank): under "fsdp"

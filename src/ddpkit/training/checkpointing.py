@@ -6,52 +6,45 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import DataLoader
 
 from ddpkit.checkpoint.pt import find_checkpoint, keep_as_best
-from ddpkit.checkpoint.state import restore, resume_loader, save_state
+from ddpkit.checkpoint.state import checkpoint_state, restore, resume_loader, save_state
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.data import DistributedLoader
 from ddpkit.parallel.precision import Precision
 from ddpkit.parallel.strategy import Strategy
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.decisions import (
     Stateful,
+    better,
     callback_states,
     higher_is_better,
     load_callback_states,
+    reported,
 )
 from ddpkit.training.progress import EpochSums, resume_line
 
 
-class Run(Protocol):
-    """What a checkpoint holds of a `Trainer`, and what a resume sets back (described
-    here, as the Trainer imports this module: it cannot be imported back)."""
+class Checkpoints:
+    """The Trainer's base class: its checkpoints, of the values below, which the
+    Trainer sets (a base class, as the Trainer imports this module and cannot be
+    imported back)."""
 
-    @property
-    def ctx(self) -> DistContext: ...
-    @property
-    def config(self) -> TrainConfig: ...
-    @property
-    def strategy(self) -> Strategy: ...
-    @property
-    def model(self) -> nn.Module: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
-    def scheduler(self) -> LRScheduler | None: ...
-    @property
-    def precision(self) -> Precision: ...
-    @property
-    def train_loader(self) -> DataLoader[Any]: ...
-    @property
-    def callbacks(self) -> Sequence[Stateful]: ...
-
+    ctx: DistContext
+    config: TrainConfig
+    strategy: Strategy
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler | None
+    precision: Precision
+    train_loader: DistributedLoader
+    callbacks: Sequence[Stateful]
     epoch: int
     batch: int
     global_step: int
@@ -65,109 +58,106 @@ class Run(Protocol):
     _resumed_step: int | None
     _resumed_inside: bool
 
-    def save(self) -> Path: ...
-    def say(self, text: str) -> None: ...
-    def _call(self, hook: str, *args: Any) -> None: ...
+    def say(self, text: str) -> None: ...  # the Trainer's
+    def _call(self, hook: str, *args: Any) -> None: ...  # the Trainer's
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint holds (`ddpkit.checkpoint.state.checkpoint_state`, the
+        schema `save_state` writes too); with strategy "fsdp" the model and optimizer
+        are written as shards instead (see `save`). Not the running epoch's sums of
+        every rank, which `save` gathers (a collective)."""
+        return checkpoint_state(ctx=self.ctx, **self._parts())
 
-def parts(trainer: Run) -> dict[str, Any]:
-    """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
-    own values (callbacks, samples seen, an early stop, the config) are its extra."""
-    extra = {
-        "callbacks": callback_states(trainer.callbacks),
-        "samples_seen": trainer.samples_seen,
-        "should_stop": trainer.should_stop,
-        "best": trainer.best,
-        "judged_step": trainer._judged_step,
-        "config": trainer.config.to_dict(),
-    }
-    return {
-        "model": trainer.model,
-        "optimizer": trainer.optimizer,
-        "scheduler": trainer.scheduler,
-        "scaler": trainer.precision.scaler,
-        "loader": trainer.train_loader,
-        "epoch": trainer.epoch,
-        "batch": trainer.batch,
-        "step": trainer.global_step,
-        "extra": extra,
-    }
+    def _parts(self) -> dict[str, Any]:
+        """What a checkpoint of this run holds, as `save_state` takes it: the Trainer's
+        own values (callbacks, samples seen, an early stop, the config) are its extra."""
+        extra = {
+            "callbacks": callback_states(self.callbacks),
+            "samples_seen": self.samples_seen,
+            "should_stop": self.should_stop,
+            "best": self.best,
+            "judged_step": self._judged_step,
+            "config": self.config.to_dict(),
+        }
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.precision.scaler,
+            "loader": self.train_loader,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "step": self.global_step,
+            "extra": extra,
+        }
 
+    def save(self) -> Path:
+        """Checkpoint now (call on every rank; rank 0 writes). Also mid-epoch, e.g. from
+        a callback's `on_step_end`: a resumed run then continues with the next batch."""
+        folder = self.config.checkpoint_dir
+        if folder is None:
+            raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
+        state = self._parts()
+        if self._sums.epoch == self.epoch:  # inside the epoch (same on every rank)
+            state["extra"]["epoch_sums"] = self._sums.gather()
+        path = save_state(folder, self.ctx, **state, keep_last=self.config.keep_last)
+        self.last_checkpoint, self._saved_step = path, self.global_step
+        self._call("on_checkpoint", path)
+        return path
 
-def save(trainer: Run) -> Path:
-    """`Trainer.save`: every rank calls it, rank 0 writes."""
-    folder = trainer.config.checkpoint_dir
-    if folder is None:
-        raise ConfigError("save() needs a checkpoint folder: set checkpoint_dir")
-    state = parts(trainer)
-    if trainer._sums.epoch == trainer.epoch:  # inside the epoch (same on every rank)
-        state["extra"]["epoch_sums"] = trainer._sums.gather()
-    path = save_state(folder, trainer.ctx, **state, keep_last=trainer.config.keep_last)
-    trainer.last_checkpoint, trainer._saved_step = path, trainer.global_step
-    trainer._call("on_checkpoint", path)
-    return path
+    def _new_best(self, metrics: dict[str, float]) -> bool:
+        """After an evaluation: whether `config.keep_best`'s metric improved; if so it
+        becomes `best` now, before this step's checkpoint is written (which keeps it)."""
+        name = self.config.keep_best
+        if name is None:
+            return False
+        value = reported(metrics, name, "keep_best watches")
+        if self.best is not None and not better(value, self.best, higher_is_better(name)):
+            return False
+        self.best = value
+        return True
 
+    def _keep_best(self) -> None:
+        """Keep this step's checkpoint (written now unless it was already) as best.pt."""
+        path = self.last_checkpoint if self._saved_step == self.global_step else None
+        best = keep_as_best(path or self.save(), self.ctx)
+        self.say(f"{self.config.keep_best} {self.best:.4f} is the best so far: kept as {best}")
 
-def new_best(trainer: Run, metrics: dict[str, float]) -> bool:
-    """After an evaluation: whether `config.keep_best`'s metric improved; if so it
-    becomes `best` now, before this step's checkpoint is written (which keeps it)."""
-    name = trainer.config.keep_best
-    if name is None:
-        return False
-    if name not in metrics:
-        raise ConfigError(
-            f"keep_best watches {name!r}, which this run does not report (it has: "
-            f"{', '.join(sorted(metrics))}): choose one of those"
+    def _resume(self) -> None:
+        """Continue from the newest checkpoint of `config.checkpoint_dir`, if any (every
+        rank; rank 0 chooses the file), and say where the run goes on."""
+        folder, ctx = self.config.checkpoint_dir, self.ctx
+        assert folder is not None
+        found = find_checkpoint(folder, ctx)
+        if found is None:
+            self.say(f"no checkpoint in {folder}: starting from epoch 1")
+            return
+        self.strategy.check_resume(found.path, found.state)
+        saved = restore(
+            found,
+            ctx,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.precision.scaler,
         )
-    value, best = metrics[name], trainer.best
-    if best is not None and not (value > best if higher_is_better(name) else value < best):
-        return False  # no better (a NaN never is)
-    trainer.best = value
-    return True
-
-
-def keep_best(trainer: Run) -> None:
-    """Keep this step's checkpoint (written now unless it was already) as best.pt."""
-    path = trainer.last_checkpoint if trainer._saved_step == trainer.global_step else None
-    best = keep_as_best(path or trainer.save(), trainer.ctx)
-    trainer.say(f"{trainer.config.keep_best} {trainer.best:.4f} is the best so far: kept as {best}")
-
-
-def resume(trainer: Run) -> None:
-    """Continue from the newest checkpoint of `config.checkpoint_dir`, if any (every
-    rank; rank 0 chooses the file), and say where the run goes on."""
-    folder, ctx = trainer.config.checkpoint_dir, trainer.ctx
-    assert folder is not None
-    found = find_checkpoint(folder, ctx)
-    if found is None:
-        trainer.say(f"no checkpoint in {folder}: starting from epoch 1")
-        return
-    trainer.strategy.check_resume(found.path, found.state)
-    saved = restore(
-        found,
-        ctx,
-        model=trainer.model,
-        optimizer=trainer.optimizer,
-        scheduler=trainer.scheduler,
-        scaler=trainer.precision.scaler,
-    )
-    unused = load_callback_states(trainer.callbacks, saved.extra.get("callbacks"), saved.path)
-    if unused:
-        trainer.say(
-            f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
-        )
-    trainer.epoch, trainer.global_step = saved.epoch, saved.step
-    trainer._resumed_step, trainer._resumed_inside = saved.step, saved.batch > 0
-    # The loader's next pass starts after the batches trained, then restores the RNG.
-    trainer.batch = resume_loader(trainer.train_loader, saved, ctx)
-    extra = saved.extra
-    trainer.samples_seen = int(extra.get("samples_seen", 0))
-    trainer._sums.resume(extra.get("epoch_sums"), trainer.epoch, trainer.samples_seen)
-    trainer.should_stop = bool(extra.get("should_stop", False))
-    trainer.best = extra.get("best")
-    trainer._judged_step = int(extra.get("judged_step", -1))
-    trainer.last_checkpoint = saved.path
-    # Said once, by rank 0, as what happened (the skipped files are already skipped).
-    skipped = f"{found.skip_note()}; " if found.skipped else ""
-    where = (trainer.epoch, trainer.batch, trainer.global_step, trainer.should_stop)
-    trainer.say(skipped + resume_line(trainer.config, saved.path, *where))
+        unused = load_callback_states(self.callbacks, saved.extra.get("callbacks"), saved.path)
+        if unused:
+            self.say(
+                f"{saved.path} keeps the state of callbacks this run lacks: {', '.join(unused)}"
+            )
+        self.epoch, self.global_step = saved.epoch, saved.step
+        self._resumed_step, self._resumed_inside = saved.step, saved.batch > 0
+        # The loader's next pass starts after the batches trained, then restores the RNG.
+        self.batch = resume_loader(self.train_loader, saved, ctx)
+        extra = saved.extra
+        self.samples_seen = int(extra.get("samples_seen", 0))
+        self._sums.resume(extra.get("epoch_sums"), self.epoch, self.samples_seen)
+        self.should_stop = bool(extra.get("should_stop", False))
+        self.best = extra.get("best")
+        self._judged_step = int(extra.get("judged_step", -1))
+        self.last_checkpoint = saved.path
+        # Said once, by rank 0, as what happened (the skipped files are already skipped).
+        skipped = f"{found.skip_note()}; " if found.skipped else ""
+        where = (self.epoch, self.batch, self.global_step, self.should_stop)
+        self.say(skipped + resume_line(self.config, saved.path, *where))

@@ -80,22 +80,57 @@ def _by_position(
     return {key: state for (key, _), state in zip(takers, states, strict=True)}
 
 
+def reported(
+    metrics: dict[str, float], name: str, decider: str, fix: str = "choose one of those"
+) -> float:
+    """`metrics[name]`, which `decider` ("keep_best watches", ...) decides by; if this
+    run does not report it, a ConfigError that names what it reports and `fix`."""
+    if name not in metrics:
+        raise ConfigError(
+            f"{decider} {name!r}, which this run does not report (it has: "
+            f"{', '.join(sorted(metrics))}): {fix}"
+        )
+    return metrics[name]
+
+
+def better(value: float, than: float, higher: bool, margin: float = 0.0) -> bool:
+    """Whether `value` beats `than` by more than `margin` (a NaN never does)."""
+    return value > than + margin if higher else value < than - margin
+
+
 def higher_is_better(metric: str) -> bool:
     """Whether a larger `metric` is better: accuracy and the like; a loss is not."""
     return any(w in metric for w in ("acc", "f1", "auc", "precision"))
 
 
-def plateau_metric(
-    scheduler: ReduceLROnPlateau,
+def check_decisions(
     config: TrainConfig,
-    watched: str | None,
+    scheduler: object,
+    watched: Sequence[str],
     eval_set: Dataset[Any] | None,
-) -> str:
-    """The metric a ReduceLROnPlateau steps with, at each evaluation: the one the run
-    keeps its best by, else `watched` (the one early stopping watches), else the eval
-    loss. What
-    cannot work is refused here, before training."""
-    name = config.keep_best or watched or "eval_loss"
+) -> str | None:
+    """Check what a run decides from its evaluations (the best, early stopping watching
+    the metrics `watched`, a ReduceLROnPlateau `scheduler`) before it trains, not when
+    the first epoch ends (before its checkpoint) and finds nothing to decide from.
+    Return the metric a ReduceLROnPlateau steps with, at each evaluation: the one the
+    run keeps its best by, else the first that early stopping watches, else the eval
+    loss (None for any other scheduler)."""
+    best = config.keep_best or ""
+    if eval_set is None and from_evaluation(best):
+        raise ConfigError(
+            f"keep_best={best!r} is an evaluation's metric and this job has no eval set: "
+            "give the job an eval_set, or keep the best by 'loss'"
+        )
+    for monitor in watched:
+        if eval_set is None and from_evaluation(monitor):
+            raise ConfigError(
+                f"early stopping watches {monitor!r}, an evaluation's metric, and "
+                "this job has no eval set: give the job an eval_set, or watch 'loss' "
+                "(--early-stopping-metric loss)"
+            )
+    if not isinstance(scheduler, ReduceLROnPlateau):
+        return None
+    name = config.keep_best or (watched[0] if watched else None) or "eval_loss"
     if eval_set is None:
         raise ConfigError(
             f"ReduceLROnPlateau steps at each evaluation, with {name}, and this job has no "

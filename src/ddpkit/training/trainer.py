@@ -22,7 +22,6 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import Dataset, Sampler
 
 from ddpkit.checkpoint.pt import lock_folder
-from ddpkit.checkpoint.state import checkpoint_state
 from ddpkit.context import DistContext
 from ddpkit.errors import ConfigError, Preempted
 from ddpkit.inrank.preemption import StopVote, ddpkit_job, saving_on_signal
@@ -34,17 +33,23 @@ from ddpkit.parallel.batches import (
     default_step,
     to_device,
 )
-from ddpkit.parallel.data import prepare_loader
 from ddpkit.parallel.model import sync_buffers, unwrap
 from ddpkit.parallel.precision import Precision, use_deterministic, use_tf32
 from ddpkit.parallel.steps import MicroBatch, StepPlan
-from ddpkit.parallel.strategy import Strategy, prepare_model
+from ddpkit.parallel.strategy import Strategy
 from ddpkit.records.runlog import RunLog
 from ddpkit.seed import rank_seed, seed_everything
 from ddpkit.storage import PENDING
-from ddpkit.training import checkpointing
+from ddpkit.training import build
+from ddpkit.training.checkpointing import Checkpoints
 from ddpkit.training.config import TrainConfig
-from ddpkit.training.decisions import from_evaluation, higher_is_better, plateau_metric
+from ddpkit.training.decisions import (
+    better,
+    check_decisions,
+    from_evaluation,
+    higher_is_better,
+    reported,
+)
 from ddpkit.training.evaluation import Evaluation
 from ddpkit.training.progress import (
     Bar,
@@ -129,18 +134,8 @@ class EarlyStopping(Callback):
     def check(self, trainer: Trainer, metrics: dict[str, float], epoch: int | None = None) -> None:
         """Judge `metrics` of the step `trainer` is at: the end of `epoch`, or an
         evaluation in the epoch running (the Trainer calls it once per step)."""
-        if self.monitor not in metrics:
-            raise ConfigError(
-                f"early stopping watches {self.monitor!r}, which this run does not report "
-                f"(it has: {', '.join(sorted(metrics))}): choose one of those"
-            )
-        value = metrics[self.monitor]
-        better = (
-            value < self.best - self.min_delta
-            if self.mode == "min"
-            else value > self.best + self.min_delta
-        )
-        if better:
+        value = reported(metrics, self.monitor, "early stopping watches")
+        if better(value, self.best, self.mode == "max", self.min_delta):
             self.best, self.bad_epochs = value, 0
             return
         self.bad_epochs += 1
@@ -195,7 +190,7 @@ class _Totals:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class Trainer:
+class Trainer(Checkpoints):
     """Trains a model with DDP over all ranks of `ctx`; `fit()` runs the loop.
 
     Build it on every rank with the same arguments. The model is moved,
@@ -247,6 +242,8 @@ class Trainer:
         log_fn: where rank 0's progress lines go (default: print).
     """
 
+    callbacks: list[Callback]  # the job's, then EarlyStopping from the config
+
     def __init__(
         self,
         model: nn.Module,
@@ -277,7 +274,7 @@ class Trainer:
         # Chosen once: everything that depends on the strategy asks this object.
         self.strategy = Strategy(config.strategy, ctx)
         self.strategy.check_optimizer(optimizer)
-        eval_model = self._prepare_model(model)
+        self.model, eval_model = build.models(model, config, ctx, self.strategy)
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model.parameters())
         self.optimizer = optimizer
@@ -288,7 +285,9 @@ class Trainer:
         self.loss_fn = loss_fn
         self.training_step = training_step
         self.metrics_fn = metrics_fn
-        self._prepare_loaders(train_set, eval_set, train_sampler, collate_fn)
+        self.train_loader, self.eval_loader = build.loaders(
+            config, ctx, train_set, eval_set, train_sampler, collate_fn
+        )
         # Autocast, fp16's loss scaling, clipping and the optimizer step: the helper a
         # hand-written loop uses.
         self.precision = Precision(config.precision, ctx)
@@ -320,98 +319,18 @@ class Trainer:
                 "sync_batchnorm=False, or let ddpkit shard the data (no train_sampler)"
             )
 
-    def _prepare_model(self, model: nn.Module) -> nn.Module:
-        """Move, synchronise BatchNorm, wrap (DDP or FSDP) and compile the model as the
-        config says; return the model that `evaluate` runs."""
-        config = self.config
-        self.model = prepare_model(
-            model,
-            self.ctx,
-            sync_batchnorm=config.sync_batchnorm,
-            find_unused_parameters=config.find_unused_parameters,
-            bucket_cap_mb=config.bucket_cap_mb,
-            grad_compression=config.grad_compression,
-            strategy=self.strategy,
-            fsdp={
-                "precision": config.precision,
-                "offload": config.fsdp_offload,
-                "reshard_after_forward": config.fsdp_reshard_after_forward,
-            },
-        )
-        if config.compile:
-            # After DDP: compiling the wrapper lets DDP's optimizer split the graph at
-            # bucket boundaries, so communication still overlaps the backward pass.
-            self.model = cast(nn.Module, torch.compile(self.model))
-        # What `evaluate` runs: the bare model (DDP's forward would broadcast buffers at
-        # each batch, and ranks may hold unequal numbers of eval batches), compiled on its
-        # own when training is (lazily: nothing is compiled before the first evaluation).
-        bare = unwrap(self.model)
-        return cast(nn.Module, torch.compile(bare)) if config.compile else bare
-
-    def _prepare_loaders(
-        self,
-        train_set: Dataset[Any],
-        eval_set: Dataset[Any] | None,
-        train_sampler: Sampler[Any] | None,
-        collate_fn: Callable[[list[Any]], Any] | None,
-    ) -> None:
-        """The training loader (each rank its shard) and the eval loader (every sample
-        once)."""
-        config = self.config
-        self.train_loader = prepare_loader(
-            train_set,
-            self.ctx,
-            config.batch_size,
-            seed=config.seed,
-            sampler=train_sampler,
-            replacement=config.replacement,
-            num_workers=config.num_workers,
-            drop_last=config.drop_last,
-            collate_fn=collate_fn,
-        )
-        self.eval_loader = (
-            None
-            if eval_set is None
-            else prepare_loader(
-                eval_set,
-                self.ctx,
-                config.batch_size,
-                evaluation=True,
-                num_workers=config.num_workers,
-                collate_fn=collate_fn,
-            )
-        )
-
     def _decide_with(self, callbacks: Sequence[Callback], eval_set: Dataset[Any] | None) -> None:
-        """Take the callbacks, and check what the run decides from its evaluations (the
-        best, early stopping, ReduceLROnPlateau) now, not when the first epoch ends
-        (before its checkpoint) and finds nothing to decide from."""
+        """Take the callbacks (and the config's early stopping), and check what the run
+        decides from its evaluations now (`check_decisions`)."""
         config = self.config
-        best = config.keep_best or ""
-        if eval_set is None and from_evaluation(best):
-            raise ConfigError(
-                f"keep_best={best!r} is an evaluation's metric and this job has no eval set: "
-                "give the job an eval_set, or keep the best by 'loss'"
-            )
         self.callbacks = list(callbacks)
         if config.early_stopping_patience is not None:
             self.callbacks.append(
                 EarlyStopping(config.early_stopping_metric, config.early_stopping_patience)
             )
-        stoppers = [cb for cb in self.callbacks if isinstance(cb, EarlyStopping)]
-        for stopper in stoppers:
-            if eval_set is None and from_evaluation(stopper.monitor):
-                raise ConfigError(
-                    f"early stopping watches {stopper.monitor!r}, an evaluation's metric, and "
-                    "this job has no eval set: give the job an eval_set, or watch 'loss' "
-                    "(--early-stopping-metric loss)"
-                )
+        watched = [cb.monitor for cb in self.callbacks if isinstance(cb, EarlyStopping)]
         # The metric ReduceLROnPlateau steps with, at each evaluation; None for others.
-        self._plateau: str | None = None
-        if isinstance(self.scheduler, ReduceLROnPlateau):
-            self._plateau = plateau_metric(
-                self.scheduler, config, stoppers[0].monitor if stoppers else None, eval_set
-            )
+        self._plateau = check_decisions(config, self.scheduler, watched, eval_set)
         # The step whose evaluation ReduceLROnPlateau and early stopping have judged: the
         # last step of an epoch may be due for two evaluations, which are one.
         self._judged_step = -1
@@ -496,7 +415,7 @@ class Trainer:
             seed_everything(rank_seed(cfg.seed, self.ctx.rank))
             self._started = True
             if cfg.resume:
-                checkpointing.resume(self)  # restores every rank's own stream as it was saved
+                self._resume()  # restores every rank's own stream as it was saved
             if cfg.checkpoint_dir and cfg.on_signal == "save":
                 self._vote = StopVote(self.ctx)
         # A resume from an older checkpoint trains its later steps again: their records go;
@@ -548,7 +467,7 @@ class Trainer:
         self.model.train()
         self._sums.start(epoch, self.samples_seen)
         # Resumed from a checkpoint written mid-epoch: the loader starts after the
-        # batches it had trained (`checkpointing.resume`).
+        # batches it had trained (`_resume`).
         skip, total = self.train_loader.next_pass()
         # A run by steps counts steps of max_steps; one by epochs, the epoch's batches.
         steps = self.config.max_steps
@@ -585,11 +504,6 @@ class Trainer:
             self.samples_seen += run.step_samples * world if agreed is None else agreed
             run.step_samples = 0
 
-    def _epoch_loss(self) -> float:
-        """The epoch's mean loss so far, all ranks (a collective: every rank calls it)."""
-        total, n = self._sums.reduce()
-        return total / max(n, 1)
-
     def _end_epoch(self, run: _Pass, runlog: RunLog) -> bool:
         """The pass is over: log, evaluate, judge and checkpoint the epoch; whether the
         run is done."""
@@ -607,8 +521,9 @@ class Trainer:
         # A run by steps may end inside an epoch, which a resume then continues.
         if run.whole:
             self.epoch, self.batch = epoch + 1, 0
-            if self._scheduler_per_epoch():
-                cast(LRScheduler, self.scheduler).step()
+            # ReduceLROnPlateau steps at each evaluation instead (`_step_plateau`).
+            if self.scheduler and cfg.scheduler_interval == "epoch" and self._plateau is None:
+                self.scheduler.step()
         # The whole epoch's loss and samples, also when this run resumed inside it; the
         # rate of what this run trained.
         metrics: dict[str, float] = {
@@ -627,14 +542,14 @@ class Trainer:
             self._step_plateau(metrics)
         self._call("on_epoch_end", epoch, metrics)  # early stopping checks here
         self._judged_step = self.global_step  # all before the checkpoint holds it
-        improved = checkpointing.new_best(self, metrics)  # before the checkpoint that keeps it
+        improved = self._new_best(metrics)  # before the checkpoint that keeps it
         last = self._done()
         if cfg.checkpoint_dir and (
             last or (run.whole and cfg.save_every and self.epoch % cfg.save_every == 0)
         ):
             self.save()
         if improved:
-            checkpointing.keep_best(self)
+            self._keep_best()
         return last
 
     def _finish(self, runlog: RunLog) -> FitResult:
@@ -681,8 +596,9 @@ class Trainer:
             self.say(" | ".join([f"step {self.global_step}", *eval_parts(evaluation)]))
             # Judged as at an epoch's end, the training loss by the same name: the
             # epoch's mean so far (at the epoch's last step, the epoch line's).
-            metrics = {"loss": self._epoch_loss(), **evaluation}
-            improved = checkpointing.new_best(self, metrics)
+            total, n = self._sums.reduce()  # a collective, as every rank evaluates
+            metrics = {"loss": total / max(n, 1), **evaluation}
+            improved = self._new_best(metrics)
             self._step_plateau(metrics)
             for stopper in self.callbacks:
                 if isinstance(stopper, EarlyStopping):
@@ -692,7 +608,7 @@ class Trainer:
         if saves and cfg.checkpoint_dir and self.global_step % saves == 0:
             self.save()  # every rank, after the same step
         if improved:
-            checkpointing.keep_best(self)
+            self._keep_best()
         self._bar.step_done(window)
         signum = self._vote.step() if self._vote is not None else 0
         if signum:  # every rank, after this same step
@@ -703,19 +619,14 @@ class Trainer:
         return not run.whole
 
     def _optimizer_step(self, window: Window | None) -> None:
-        prec = self.precision
+        prec, norm = self.precision, None
         if self.config.clip_grad_norm is not None:  # of the true (unscaled) gradient
             norm = prec.clip_gradients(self._params, self.optimizer, self.config.clip_grad_norm)
-            if window is not None:
-                window.grad_norm = norm
         elif self._logs_grad_norm(window):
             prec.unscale_gradients(self.optimizer)  # log the true gradient's norm
-            grads = [p.grad.detach() for p in self._params if p.grad is not None]
-            if grads:
-                # A sharded gradient's norm is a collective: every rank computes it.
-                norm = self.strategy.whole(_total_norm(grads))
-                if window is not None:
-                    window.grad_norm = norm
+            norm = self.strategy.gradient_norm(self._params)
+        if window is not None and norm is not None:
+            window.grad_norm = norm
         prec.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None and self.config.scheduler_interval == "step":
@@ -746,26 +657,15 @@ class Trainer:
         self._call("on_evaluate", metrics)
         return metrics
 
-    def _scheduler_per_epoch(self) -> bool:
-        """Whether the scheduler steps after each epoch (ReduceLROnPlateau steps at each
-        evaluation instead, `_step_plateau`)."""
-        return (
-            self.scheduler is not None
-            and self.config.scheduler_interval == "epoch"
-            and self._plateau is None
-        )
-
     def _step_plateau(self, metrics: dict[str, float]) -> None:
-        """Step a ReduceLROnPlateau with its metric (`_plateau_metric`)."""
+        """Step a ReduceLROnPlateau with its metric (`check_decisions`)."""
         name = self._plateau
         if name is None:
             return
-        if name not in metrics:
-            raise ConfigError(
-                f"ReduceLROnPlateau steps with {name!r}, which this run does not report (it "
-                f"has: {', '.join(sorted(metrics))}): keep the best by one of those"
-            )
-        cast(ReduceLROnPlateau, self.scheduler).step(metrics[name])
+        value = reported(
+            metrics, name, "ReduceLROnPlateau steps with", "keep the best by one of those"
+        )
+        cast(ReduceLROnPlateau, self.scheduler).step(value)
 
     def _evaluate_once(self) -> dict[str, float]:
         """`evaluate()`, unless it already ran after this step (the last of a run by
@@ -773,19 +673,6 @@ class Trainer:
         if self._evaluated[0] != self.global_step:
             self._evaluated = self.global_step, self.evaluate()
         return self._evaluated[1]
-
-    # -- checkpoints (training/checkpointing.py) ------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds (`ddpkit.checkpoint.state.checkpoint_state`, the
-        schema `save_state` writes too); with strategy "fsdp" the model and optimizer
-        are written as shards instead (see `save`). Not the running epoch's sums of
-        every rank, which `save` gathers (a collective)."""
-        return checkpoint_state(ctx=self.ctx, **checkpointing.parts(self))
-
-    def save(self) -> Path:
-        """Checkpoint now (call on every rank; rank 0 writes). Also mid-epoch, e.g. from
-        a callback's `on_step_end`: a resumed run then continues with the next batch."""
-        return checkpointing.save(self)
 
     # -- pieces of a step -------------------------------------------------------------
     def _loss(self, model: nn.Module, batch: Any) -> tuple[torch.Tensor, Any]:
@@ -805,16 +692,6 @@ class Trainer:
     def say(self, text: str) -> None:
         if self.ctx.is_main:
             self.log_fn(text)
-
-
-def _total_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all `tensors` together (torch's own where it has one: 2.6 may not)."""
-    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
-    if get_total_norm is not None:
-        return cast(torch.Tensor, get_total_norm(tensors))
-    norms = [torch.linalg.vector_norm(t.float()) for t in tensors]
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
-    return total
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
