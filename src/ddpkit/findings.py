@@ -124,11 +124,20 @@ def confirm(
 ) -> list[Finding]:
     """Static findings in the light of an audited run: one whose code and line the run
     committed is marked "confirmed at run time"; a DDP106 (a hang) is not an error when
-    the run ended well, since nothing hung."""
-    seen = {(os.path.realpath(f.path), f.line, f.code) for f in audited}
-    result = []
+    the run ended well, since nothing hung. What the run committed and the static
+    findings lack follows, marked "run time only" (pass only the audited findings of
+    the files and codes that were checked)."""
+
+    def where(f: Finding) -> tuple[str, int, str]:
+        return os.path.realpath(f.path), f.line, f.code
+
+    seen = {where(f) for f in audited}
+    made = {where(f) for f in found}
+    result = [
+        replace(f, message=f"{f.message} [run time only]") for f in audited if where(f) not in made
+    ]
     for f in found:
-        if (os.path.realpath(f.path), f.line, f.code) in seen:
+        if where(f) in seen:
             f = replace(f, message=f"{f.message} [confirmed at run time]")
         elif f.code == "DDP106" and f.severity is Severity.ERROR and exit_status == 0:
             f = replace(
@@ -137,4 +146,4 @@ def confirm(
                 message=f"{f.message} [a warning: an audited run of it ended without a hang]",
             )
         result.append(f)
-    return result
+    return sorted(result)

@@ -126,3 +126,27 @@ def test_pre_commit_hook_declared() -> None:
     assert "entry: ddpkit check" in text
     assert "language: python" in text
     assert "types: [python]" in text
+
+
+def test_audit_log_lists_what_only_the_run_saw(project: Path) -> None:
+    """A finding the audited run committed but check did not make is listed too, marked
+    so; the run's findings in files that were not checked, or of codes not selected, are
+    not."""
+    from ddpkit.findings import Finding, Severity, write_audit_log
+
+    train = project / "pkg" / "train.py"
+    both = Finding(str(train), 5, 1, "DDP103", Severity.ERROR, "ranks 0, 1 all wrote ckpt.pt")
+    run_only = Finding(str(train), 4, 1, "DDP104", Severity.WARNING, "keys start with module.")
+    elsewhere = Finding(str(project / "other.py"), 3, 1, "DDP101", Severity.WARNING, "epoch 0")
+    (project / "logs").mkdir()
+    write_audit_log(project / "logs", [both, run_only, elsewhere], 0)
+    result = run_cli("check", "--audit-log", "logs", "pkg/train.py", cwd=project)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stderr
+    (static,) = [ln for ln in lines if " DDP103 " in ln]
+    assert static.endswith("[confirmed at run time]")
+    (added,) = [ln for ln in lines if " DDP104 " in ln]
+    assert added.startswith(f"{train}:4:1:") and added.endswith("[run time only]")
+    assert "other.py" not in result.stdout
+    selected = run_cli("check", "--audit-log", "logs", "--select", "DDP103", "pkg", cwd=project)
+    assert " DDP104 " not in selected.stdout

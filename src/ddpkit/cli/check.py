@@ -8,12 +8,13 @@ are still checked).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
 from ddpkit.check.explain import explain
 from ddpkit.check.rules import RULES
-from ddpkit.check.runner import SelectionError, check_paths
+from ddpkit.check.runner import SelectionError, check_paths, python_files
 from ddpkit.findings import confirm, format_json, format_text, read_audit_log, summary
 
 HELP = "find DDP pitfalls in training scripts without running them (no torch needed)"
@@ -25,6 +26,15 @@ def _codes(values: list[str] | None) -> list[str] | None:
     if values is None:
         return None
     return [code for value in values for code in value.split(",") if code.strip()]
+
+
+def _chosen(code: str, select: list[str] | None, ignore: list[str] | None) -> bool:
+    """`--select` and `--ignore` as they choose rules, for a code of the audit (which has
+    codes of its own, such as DDP112)."""
+    wanted, unwanted = _codes(select), _codes(ignore) or []
+    return (wanted is None or any(code.startswith(c.strip().upper()) for c in wanted)) and not any(
+        code.startswith(c.strip().upper()) for c in unwanted
+    )
 
 
 def _empty_value(args: argparse.Namespace) -> str | None:
@@ -73,7 +83,8 @@ def add_parser(sub: Any) -> None:
         "--audit-log",
         metavar="DIR",
         help="the --log-dir of a `ddpkit run --audit` of these scripts: mark the findings "
-        "that run committed as confirmed, and keep DDP106 a warning if it ended well",
+        "that run committed as confirmed, list those it alone saw, and keep DDP106 a warning "
+        "if it ended well",
     )
     p.set_defaults(func=run)
 
@@ -106,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
             audited, status = read_audit_log(args.audit_log)
         except ValueError as exc:
             return _usage_error(str(exc))
+        checked = {os.path.realpath(f) for f in python_files(args.paths)[0]}
+        audited = [
+            f
+            for f in audited
+            if os.path.realpath(f.path) in checked and _chosen(f.code, args.select, args.ignore)
+        ]
         findings = confirm(findings, audited, status)
     for path in report.missing:
         print(f"ddpkit check: error: no such file or folder: {path}", file=sys.stderr)
@@ -120,4 +137,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(format_text(findings))
         if line is not None:
             print(line)
-    return report.exit_code
+    # Findings of the audited run alone are findings too.
+    return 1 if report.exit_code == 0 and findings else report.exit_code
