@@ -2,12 +2,15 @@
 
 `import utils`, `from util import misc`, `from . import misc`, `from .misc import f`
 and `import util.misc as misc` in one checked file bind a local name to another
-checked file (a module) or to a name defined there (a member). Only the imports at
-the top of a file (also inside `if`/`try` there) are followed: that is where people
-put them, and finding them needs no walk of the whole tree.
+checked file (a module) or to a name defined there (a member). Imports anywhere among
+the statements count, also those in a function body (`def main(): from comm import
+reduce_mean`), which bind their names for the whole file unless one at module level
+binds the same name; finding them walks statements only, never expressions.
 
 Modules are looked up the way `python script.py` finds them: next to the importing
-file, then in the folders above it, as far up as the folder that was checked.
+file, then in the folders above it, as far up as the folder that was checked; and a
+package that imports itself by its own name (`from mypkg.util import misc` inside
+`mypkg/`, run from the repository root) from the folder that holds it.
 """
 
 from __future__ import annotations
@@ -26,19 +29,22 @@ class Link:
     member: str | None
 
 
-def top_imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The import statements at module level, also those inside `if`/`try` blocks there."""
+def imports_in(
+    body: list[ast.stmt], in_function: bool = False
+) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """The import statements of a block and of the blocks it holds, each with whether
+    it sits in a function body."""
     for stmt in body:
         if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            yield stmt
-        elif isinstance(stmt, ast.If):
-            yield from top_imports(stmt.body)
-            yield from top_imports(stmt.orelse)
-        elif isinstance(stmt, ast.Try):
-            yield from top_imports(stmt.body)
-            for handler in stmt.handlers:
-                yield from top_imports(handler.body)
-            yield from top_imports(stmt.orelse)
+            yield stmt, in_function
+            continue
+        inner = in_function or isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(stmt, name, None)
+            if isinstance(block, list):
+                yield from imports_in(block, inner)
+        for part in (*getattr(stmt, "handlers", ()), *getattr(stmt, "cases", ())):
+            yield from imports_in(part.body, inner)
 
 
 class Linker:
@@ -74,19 +80,25 @@ class Linker:
             found = self._module(base, dotted)
             if found is not None:
                 return found
+        # `from mypkg.util import misc` inside `mypkg/`: the package by its own name.
+        package = dotted.partition(".")[0]
+        for folder in importer.parents:
+            if folder.name == package:
+                return self._module(folder.parent, dotted)
         return None
 
     def links(self, path: Path, tree: ast.Module) -> dict[str, Link]:
         """Local names of `path` (dotted for `import a.b`) bound to checked files."""
         importer = path.resolve()
         links: dict[str, Link] = {}
-        for node in top_imports(tree.body):
+        in_functions: dict[str, Link] = {}
+        for node, in_function in imports_in(tree.body):
+            bound = in_functions if in_function else links
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     target = self._find(importer, 0, alias.name)
-                    if target is None:
-                        continue
-                    links[alias.asname or alias.name] = Link(target, None)
+                    if target is not None:
+                        bound[alias.asname or alias.name] = Link(target, None)
                 continue
             module = node.module or ""
             for alias in node.names:
@@ -95,9 +107,9 @@ class Linker:
                 local = alias.asname or alias.name
                 sub = self._find(importer, node.level, f"{module}.{alias.name}")
                 if sub is not None:
-                    links[local] = Link(sub, None)
+                    bound[local] = Link(sub, None)
                     continue
                 owner = self._find(importer, node.level, module)
                 if owner is not None:
-                    links[local] = Link(owner, alias.name)
-        return links
+                    bound[local] = Link(owner, alias.name)
+        return in_functions | links
