@@ -21,6 +21,9 @@ from ddpkit.check.paths import Divergence, PathModel
 from ddpkit.check.ranks import SPAWNERS, RankFacts, RankModel
 
 DDP_CLASS = "DistributedDataParallel"
+# ddpkit's own API (`launch`, `prepare_model`, `prepare_loader`), which scripts written
+# with it use instead of torchrun's calls.
+DDPKIT = "ddpkit"
 
 
 def _is_main_block(test: ast.expr) -> bool:
@@ -200,7 +203,27 @@ class FileAnalysis:
         return sorted(sites, key=lambda s: (s.line, s.call.col_offset))
 
     def is_ddp_wrap(self, node: ast.expr) -> bool:
-        return isinstance(node, ast.Call) and tail(node.func) in self.ddp_names
+        """`DDP(model, ...)`, or ddpkit's `prepare_model(model, ctx)` (DDP unless told
+        to shard with FSDP)."""
+        if not isinstance(node, ast.Call):
+            return False
+        if tail(node.func) in self.ddp_names:
+            return True
+        if self.imports.resolves_to(node.func, DDPKIT, frozenset({"prepare_model"})) is None:
+            return False
+        strategy = next((k.value for k in node.keywords if k.arg == "strategy"), None)
+        return strategy is None or (isinstance(strategy, ast.Constant) and strategy.value == "ddp")
+
+    def ddpkit_calls(self, name: str) -> list[Site]:
+        """Calls of ddpkit's own `name` (`ddpkit.launch`, or `launch` imported from it)."""
+        return [site for site, _ in self.resolved_calls(DDPKIT, frozenset({name}))]
+
+    @cached_property
+    def joins_process_group(self) -> bool:
+        """The file's code runs as the ranks of a process group: it calls
+        `init_process_group`, or hands a function to `ddpkit.launch`, which starts the
+        group on every rank before calling it."""
+        return bool(self.process_group_inits or self.ddpkit_calls("launch"))
 
     @cached_property
     def is_ddp_script(self) -> bool:

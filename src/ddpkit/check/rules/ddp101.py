@@ -8,8 +8,15 @@ from typing import cast
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
-from ddpkit.check.names import tail
-from ddpkit.check.rules.base import Hit, Rule, argument, has_unknown_arguments, is_constant
+from ddpkit.check.names import dotted, tail
+from ddpkit.check.rules.base import (
+    Hit,
+    Rule,
+    argument,
+    assignments_to,
+    has_unknown_arguments,
+    is_constant,
+)
 from ddpkit.findings import Severity
 
 # Wrappers around the loader in `for batch in enumerate(tqdm(loader))`.
@@ -117,10 +124,68 @@ def _may_shuffle(fa: FileAnalysis, shuffle: ast.expr, site: Site) -> bool:
     return False
 
 
+def _prepared_loader_shuffles(fa: FileAnalysis, site: Site) -> bool:
+    """`ddpkit.prepare_loader(dataset, ctx)` shuffles unless told not to: `shuffle=False`,
+    `evaluation=True`, a sampler of one's own, or a DataLoader in sight that does not
+    shuffle (its order is kept)."""
+    call = site.call
+    if has_unknown_arguments(call) or argument(call, None, "sampler") is not None:
+        return False
+    evaluation = argument(call, None, "evaluation")
+    if evaluation is not None and not is_constant(evaluation, False):
+        return False
+    shuffle = argument(call, None, "shuffle")
+    if shuffle is not None:
+        return _may_shuffle(fa, shuffle, site)
+    given = argument(call, 0, "dataset")
+    values = [given]
+    if isinstance(given, ast.Name):
+        values += [a.value for a in assignments_to(fa, given.id, site.scope)]
+    return not any(
+        isinstance(v, ast.Call)
+        and tail(v.func) == "DataLoader"
+        and not is_constant(argument(v, 2, "shuffle"), True)
+        for v in values
+    )
+
+
+def _prepared_loader_iterated_across_epochs(fa: FileAnalysis, site: Site) -> bool:
+    """A `for` loop over the loader that `prepare_loader` returned runs across epochs:
+    `loader = prepare_loader(...)` looped over in its function, `self.data = ...` in a
+    method of its class."""
+    targets = [a.target for a in fa.index.assignments if a.value is site.call]
+    name = dotted(targets[0]) if len(targets) == 1 else None
+    if name is None:
+        return False
+    for loop, iterated in _data_loops(fa):
+        if dotted(iterated) != name:
+            continue
+        same_place = (
+            loop.scope is site.scope
+            if "." not in name
+            else site.scope.class_name is not None
+            and loop.scope.class_name == site.scope.class_name
+        )
+        if same_place and _across_epochs(fa, loop):
+            return True
+    return False
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     samplers = fa.calls("DistributedSampler")
-    if not samplers or fa.program_reaches("set_epoch"):
+    prepared = fa.ddpkit_calls("prepare_loader")
+    if not (samplers or prepared) or fa.program_reaches("set_epoch"):
         return
+    for site in prepared:
+        if _prepared_loader_shuffles(fa, site) and _prepared_loader_iterated_across_epochs(
+            fa, site
+        ):
+            yield (
+                site.call,
+                "the loader of `prepare_loader` shuffles with the same seed every epoch "
+                "because `set_epoch` is never called: call `loader.set_epoch(epoch)` at the "
+                "start of each epoch (`ddpkit.Trainer` does it for you)",
+            )
     for site in samplers:
         call = site.call
         if has_unknown_arguments(call):

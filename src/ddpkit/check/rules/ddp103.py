@@ -125,7 +125,7 @@ def per_item_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    if not fa.process_group_inits:
+    if not fa.joins_process_group:
         return
     for site, target in checkpoint_writes(fa):
         if target is None or fa.in_launcher(site):

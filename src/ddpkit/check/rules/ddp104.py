@@ -311,7 +311,9 @@ def _saved_shape(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> str | No
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    if not fa.ddp_wraps or any(fa.mentions(name) for name in _PREFIX_FIXERS):
+    if not (fa.ddp_wraps or fa.ddpkit_calls("prepare_model")) or any(
+        fa.mentions(name) for name in _PREFIX_FIXERS
+    ):
         return
     candidates = fa.calls("state_dict")
     if not candidates:
@@ -332,11 +334,15 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
         if resume is not None and resume.covers(_saved_shape(fa, call, site)):
             continue  # what the wrapper resumes from: its `module.` keys fit
         model = show(receiver)
+        # prepare_model leaves a one-process model unwrapped: `.module` would fail there.
+        inner = f"{model}.module"
+        if fa.ddpkit_calls("prepare_model"):
+            inner = f"ddpkit.unwrap({model})"
         yield (
             call,
             f"`{model}.state_dict()` is taken from the DDP wrapper, so every key starts with "
             f"`module.` and the checkpoint will not load into a plain model; save "
-            f"`{model}.module.state_dict()` instead",
+            f"`{inner}.state_dict()` instead",
         )
 
 
