@@ -5,19 +5,16 @@ hang timeout and names the worker, instead of waiting for the collective timeout
 
 from __future__ import annotations
 
-import contextlib
+import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from torch.utils.data import DataLoader, Dataset
 
-from ddpkit.inrank.deadlock import fork_deadlock_hint, stuck_for_good, waited_worker
+from ddpkit.inrank.deadlock import fork_deadlock_hint, stuck_for_good
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/syscall")
@@ -59,48 +56,67 @@ def test_only_a_single_thread_asleep_on_its_own_lock_is_stuck_for_good(
     }
 
 
-class _Squares(Dataset[torch.Tensor]):
-    def __len__(self) -> int:
+# In a fresh interpreter: a process that has run other jobs may have torch start a pool
+# thread in each worker (then a lock held in the worker is no certain deadlock any more).
+READS_A_LOADER = """
+import json, subprocess, sys, threading, time
+import torch
+from torch.utils.data import DataLoader, Dataset
+from ddpkit.inrank.deadlock import stuck_for_good, waited_worker
+
+
+class Squares(Dataset):
+    def __len__(self):
         return 16
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i):
         return torch.full((3,), float(i)) + torch.rand(3)  # augmented
 
 
-def _second_worker_deadlocks(worker_id: int) -> None:
+def second_worker_deadlocks(worker_id):
     if worker_id == 1:
         lock = threading.Lock()
         lock.acquire()
         lock.acquire()
 
 
+loader = DataLoader(Squares(), batch_size=4, num_workers=2,
+                    worker_init_fn=second_worker_deadlocks, multiprocessing_context="fork")
+got = []
+
+
+def read():
+    try:
+        got.extend(loader)
+    except RuntimeError:  # its workers are killed below
+        pass
+
+
+reader = threading.Thread(target=read, daemon=True)
+reader.start()
+deadline, pids, stuck = time.monotonic() + 30, [], []
+while time.monotonic() < deadline and (len(pids) < 2 or not stuck):
+    time.sleep(0.1)
+    pids = waited_worker(sys._current_frames().get(reader.ident))
+    stuck = [p for p in pids if stuck_for_good(p)]
+mine = waited_worker(sys._current_frames()[threading.main_thread().ident])
+for pid in pids:  # end the loader's wait: it reports its workers' death
+    subprocess.run(["kill", "-9", str(pid)], check=False)
+reader.join(30)
+print(json.dumps({"pids": pids, "stuck": stuck, "batches": len(got), "main": mine}))
+"""
+
+
 def test_the_thread_iterating_a_dataloader_names_the_workers_it_waits_for() -> None:
-    loader = DataLoader(
-        _Squares(),
-        batch_size=4,
-        num_workers=2,
-        worker_init_fn=_second_worker_deadlocks,
-        multiprocessing_context="fork",
+    out = subprocess.run(
+        [sys.executable, "-c", READS_A_LOADER], capture_output=True, text=True, timeout=120
     )
-    got: list[torch.Tensor] = []
-
-    def read() -> None:
-        with contextlib.suppress(RuntimeError):  # its workers are killed below
-            got.extend(loader)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 20
-    pids: list[int] = []
-    while len(pids) < 2 or not any(stuck_for_good(p) for p in pids):
-        assert time.monotonic() < deadline, f"never saw a stuck worker among {pids}"
-        time.sleep(0.1)
-        pids = waited_worker(sys._current_frames().get(reader.ident or 0))
-    assert len(got) <= 1  # the first batch came from the worker that runs
-    assert waited_worker(sys._current_frames()[threading.main_thread().ident or 0]) == []
-    for pid in pids:  # end the loader's wait: it reports its workers' death
-        subprocess.run(["kill", "-9", str(pid)], check=False)
-    reader.join(30)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(seen["pids"]) == 2, seen
+    assert len(seen["stuck"]) == 1 and seen["stuck"][0] in seen["pids"], seen
+    assert seen["batches"] <= 1  # the first batch came from the worker that runs
+    assert seen["main"] == []  # the main thread waits for no loader
 
 
 def test_the_hint_names_the_cpython_fix_only_where_it_is_missing() -> None:
