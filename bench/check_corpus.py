@@ -13,9 +13,11 @@ files together as one folder.
 
 A finding matches an expected entry when code and file agree, and the line too when
 the entry gives one (within `--line-slack`). Prints a table per repository, overall
-precision and recall, false positives at error severity and files/s; the JSON
-result goes to `--out` (default bench/results/check_corpus.json). Without the files
-it prints one line saying so and exits 0.
+precision and recall, false positives at error severity and files/s, and per rule for
+the newest set; the JSON result goes to `--out` (default bench/results/check_corpus.json).
+Without the files it prints one line saying so and exits 0. An expected entry whose
+code the checker does not have yet (a placeholder such as `EARLY-EXIT`, judged before
+its rule exists) is not scored: it is counted as `unscored` until the rule lands.
 
 Entries marked `"heldout": true` come from repositories the rules were not tuned on;
 `"set"` names the day a held-out set was judged by hand, before that round's rule
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.check import check_paths
+from ddpkit.check.rules import RULES_BY_CODE
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "corpus" / "corpus.json"
@@ -158,6 +161,12 @@ class GroupScore:
     seconds: float = 0.0
     false_positives: list[dict[str, Any]] = field(default_factory=list)
     misses: list[dict[str, Any]] = field(default_factory=list)
+    unscored: int = 0
+    # code -> [tp, fp, fn, false positives at error severity]
+    by_rule: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, code: str, kind: int) -> None:
+        self.by_rule.setdefault(code, [0, 0, 0, 0])[kind] += 1
 
 
 def _matches(exp: Expected, code: str, line: int, slack: int) -> bool:
@@ -192,6 +201,9 @@ def score_group(group: str, entries: list[Entry], root: Path, slack: int) -> Gro
             continue
         result.fp += 1
         result.fp_errors += f.severity.value == "error"
+        result.count(f.code, 1)
+        if f.severity.value == "error":
+            result.count(f.code, 3)
         known = None
         if entry is not None:
             known = next((s.why for s in entry.safe if _matches(s, f.code, f.line, slack)), None)
@@ -207,10 +219,14 @@ def score_group(group: str, entries: list[Entry], root: Path, slack: int) -> Gro
         )
     for e in entries:
         for i, exp in enumerate(e.expected):
-            if (e.path, i) in matched:
+            if exp.code not in RULES_BY_CODE:
+                result.unscored += 1
+            elif (e.path, i) in matched:
                 result.tp += 1
+                result.count(exp.code, 0)
             else:
                 result.fn += 1
+                result.count(exp.code, 2)
                 result.misses.append(
                     {"path": e.path, "line": exp.line, "code": exp.code, "why": exp.why}
                 )
@@ -237,6 +253,27 @@ def summary(scores: list[GroupScore]) -> dict[str, Any]:
         "precision": _ratio(tp, tp + fp),
         "recall": _ratio(tp, tp + fn),
         "false_positives_error": sum(s.fp_errors for s in scores),
+    }
+
+
+def by_rule(scores: list[GroupScore]) -> dict[str, dict[str, Any]]:
+    """Per rule over some groups: tp, fp, fn, precision, recall, error-severity FPs."""
+    totals: dict[str, list[int]] = {}
+    for s in scores:
+        for code, counts in s.by_rule.items():
+            totals[code] = [
+                a + b for a, b in zip(totals.get(code, [0, 0, 0, 0]), counts, strict=True)
+            ]
+    return {
+        code: {
+            "tp": tp,
+            "fp": fp,
+            "fn": fn,
+            "precision": _ratio(tp, tp + fp),
+            "recall": _ratio(tp, tp + fn),
+            "false_positives_error": fp_err,
+        }
+        for code, (tp, fp, fn, fp_err) in sorted(totals.items())
     }
 
 
@@ -294,6 +331,17 @@ def run(
                 f"held-out, judged {newest} before its rule changes", splits["heldout_newest"]
             )
         )
+        newest_scores = [s for s in scores if s.judged == newest]
+        splits["heldout_newest"]["by_rule"] = by_rule(newest_scores)
+        unscored = sum(s.unscored for s in newest_scores)
+        splits["heldout_newest"]["unscored"] = unscored
+        for code, r in splits["heldout_newest"]["by_rule"].items():
+            print(
+                f"  {code}: tp {r['tp']}, fp {r['fp']} ({r['false_positives_error']} at error), "
+                f"fn {r['fn']}, precision {_fmt(r['precision'])}, recall {_fmt(r['recall'])}"
+            )
+        if unscored:
+            print(f"  not scored: {unscored} expected findings of rules the checker does not have")
     held = [s for s in scores if s.heldout and s.judged != newest]
     tuned = [s for s in scores if not s.heldout]
     if held:

@@ -34,7 +34,8 @@ def test_corpus_parses_with_enough_pinned_files() -> None:
         assert re.fullmatch(r"[0-9a-f]{40}", f["commit"]), f
         assert f["path"] and not f["path"].startswith("/")
         for exp in f["expected"]:
-            assert re.fullmatch(r"DDP\d{3}", exp["code"]) and exp["why"]
+            # EARLY-EXIT: judged before its rule has a code (issue 44); the scorer skips it.
+            assert re.fullmatch(r"DDP\d{3}|EARLY-EXIT", exp["code"]) and exp["why"]
     keys = [(f["repo"], f["path"]) for f in files]
     assert len(keys) == len(set(keys))
     assert len(_scorer().load_corpus(CORPUS)) == len(files)
@@ -49,3 +50,20 @@ def test_scorer_skips_cleanly_without_files(
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and "absent" in printed[0]
     assert not out.exists()
+
+
+def test_expected_codes_the_checker_lacks_are_not_scored(tmp_path: Path) -> None:
+    scorer = _scorer()
+    program = tmp_path / "owner" / "repo"
+    program.mkdir(parents=True)
+    (program / "train.py").write_text("import torch\n", encoding="utf-8")
+    entry = scorer.Entry(
+        "owner/repo",
+        "0" * 40,
+        "train.py",
+        "owner/repo",
+        (scorer.Expected("EARLY-EXIT", 1, "a rule judged before it exists"),),
+        (),
+    )
+    score = scorer.score_group("owner/repo", [entry], tmp_path, 0)
+    assert (score.tp, score.fn, score.unscored) == (0, 0, 1)
