@@ -19,18 +19,11 @@ The goal: the rehearsal costs under 2 % of the loop.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from flag_cost import ROOT, main, one_process
 
 JOB = """
 import os, sys, time, json
@@ -77,40 +70,6 @@ if distributed:
 """
 
 
-def _result(output: str) -> dict[str, float]:
-    for line in output.splitlines():
-        _, found, result = line.partition("RESULT ")  # after `[rank 0] ` under ddpkit run
-        if found:
-            return dict(json.loads(result))
-    raise RuntimeError(f"the job printed no result:\n{output[-2000:]}")
-
-
-def _one_process(script: Path, steps: int, rehearsed: bool) -> float:
-    """CPU seconds of the loop in one fresh process, the rehearsal installed or not."""
-    prelude = "from ddpkit.processes import rehearse; rehearse.install()\n" if rehearsed else ""
-    code = prelude + f"import sys; sys.argv = ['job', '{steps}']\n" + script.read_text()
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
-    )
-    return _result(out.stdout)["cpu"]
-
-
-def _two_ranks(script: Path, steps: int, rehearsed: bool) -> float:
-    """Wall seconds of rank 0's loop under `ddpkit run --nproc 2` (with --cpu or not)."""
-    command = [sys.executable, "-m", "ddpkit", "run", "--nproc", "2"]
-    if rehearsed:
-        command.append("--cpu")
-    out = subprocess.run(
-        [*command, str(script), str(steps)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=script.parent,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    return _result(out.stdout)["wall"]
-
-
 # Per call, what the rehearsal adds to a batch's `.to(device)`: timed over many calls.
 CALLS = """
 import time, torch
@@ -134,55 +93,20 @@ def _call_share(script: Path, steps: int) -> float:
     out = subprocess.run(
         [sys.executable, "-c", CALLS], capture_output=True, text=True, check=True, cwd=ROOT
     )
-    per_step = _one_process(script, steps, rehearsed=False) / steps
-    return 2 * float(out.stdout.strip()) / per_step
-
-
-def _ratios(
-    measure: Callable[[Path, int, bool], float], script: Path, steps: int, rounds: int
-) -> list[float]:
-    ratios = []
-    for i in range(rounds):
-        # Alternate which goes first, so that a slow spell of the machine hits both.
-        order = (False, True) if i % 2 == 0 else (True, False)
-        times = {rehearsed: measure(script, steps, rehearsed) for rehearsed in order}
-        ratios.append(times[True] / times[False])
-    return ratios
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per run")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating pairs per row")
-    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "job.py"
-        script.write_text(JOB, encoding="utf-8")
-        started = time.perf_counter()
-        rows = {
-            "1 process, loop CPU time": _ratios(_one_process, script, args.steps, args.rounds),
-            "ddpkit run --nproc 2, loop wall time": _ratios(
-                _two_ranks, script, args.steps, max(3, args.rounds // 2 + 1)
-            ),
-        }
-        share = _call_share(script, args.steps)
-    if args.markdown:
-        print("| measurement | --cpu / plain CPU job, median | spread |")
-        print("|---|---|---|")
-        print(f"| the mapped .to calls alone, per step | {1 + share:.5f} | (timed, not noisy) |")
-    else:
-        print(f"{'the mapped .to calls alone, per step':40} {1 + share:.5f}")
-    for name, ratios in rows.items():
-        median = statistics.median(ratios)
-        spread = f"{min(ratios):.3f}-{max(ratios):.3f}"
-        if args.markdown:
-            print(f"| {name} | {median:.3f} | {spread} |")
-        else:
-            print(f"{name:40} {median:.3f} (spread {spread}, {len(ratios)} pairs)")
-    print(f"({time.perf_counter() - started:.0f} s; goal: under 1.02)")
-    return 0
+    return 2 * float(out.stdout.strip()) / (one_process(script, steps) / steps)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(
+        main(
+            sys.argv[1:],
+            doc=__doc__ or "",
+            job=JOB,
+            prelude="from ddpkit.processes import rehearse; rehearse.install()\n",
+            flag="--cpu",
+            share=_call_share,
+            share_name="the mapped .to calls alone, per step",
+            header="--cpu / plain CPU job",
+            goal="under 1.02",
+        )
+    )
