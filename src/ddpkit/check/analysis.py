@@ -17,13 +17,26 @@ from ddpkit.check.callgraph import CallGraph, Context, Unit
 from ddpkit.check.index import Guard, Index, Ref, Scope, Site, build_index
 from ddpkit.check.linking import Link
 from ddpkit.check.names import tail
-from ddpkit.check.paths import Divergence, PathModel
+from ddpkit.check.paths import Divergence, PathModel, on_error_path
 from ddpkit.check.ranks import SPAWNERS, RankFacts, RankModel
 
 DDP_CLASS = "DistributedDataParallel"
 # ddpkit's own API (`launch`, `prepare_model`, `prepare_loader`), which scripts written
 # with it use instead of torchrun's calls.
 DDPKIT = "ddpkit"
+
+
+# How many callers deep `runs_normally` looks before it takes the code to run.
+_MAX_HOPS = 4
+
+
+def _has_base(peers: list[FileAnalysis], method: Scope) -> bool:
+    """The class of `method` derives from something other than `object`."""
+    for peer in peers:
+        info = peer.index.classes.get(method.class_name or "")
+        if info is not None and method in info.methods.values():
+            return any(base != "object" for base in info.bases)
+    return False
 
 
 def _is_main_block(test: ast.expr) -> bool:
@@ -138,10 +151,10 @@ class FileAnalysis:
         return any(name in peer.index.seen for peer in self.peers or [self])
 
     def program_reaches(self, name: str) -> bool:
-        """True when code that can run (see `CallGraph.reachable`), in this file or a file
-        analysed with it, calls `name` or hands it on (`atexit.register(name)`), outside
-        `except` and not behind a rank test (a destroy in the else of `if rank == 0:`
-        leaves rank 0 without one)."""
+        """True when code that runs when nothing fails (see `runs_normally`), in this file
+        or a file analysed with it, calls `name` or hands it on (`atexit.register(name)`),
+        not behind a rank test (a destroy in the else of `if rank == 0:` leaves rank 0
+        without one)."""
         for peer in self.peers or [self]:
             if name not in peer.index.seen:
                 continue
@@ -150,12 +163,39 @@ class FileAnalysis:
                 named = tail(call.func) == name or any(tail(a) == name for a in call.args)
                 if (
                     named
-                    and id(call) not in peer.index.calls_in_except
+                    and not peer.on_error_path(site)
                     and self.callgraph.reachable(site.scope)
+                    and self.runs_normally(site.scope)
                     and peer.paths.divergence(site.guards, site.scope) is None
                 ):
                     return True
         return False
+
+    def on_error_path(self, site: Site) -> bool:
+        """The call or mention at `site` runs only when something failed: inside `except`,
+        or in an `if` branch that ends in `raise` or `sys.exit(1)`."""
+        call = site.call_expr if isinstance(site, Ref) else site.node
+        return id(call) in self.index.calls_in_except or on_error_path(site.guards)
+
+    def runs_normally(self, scope: Scope, _depth: int = 0) -> bool:
+        """Code in `scope` runs on a way through the program where nothing fails: module
+        level does, and a function that such code mentions outside an error path (a
+        `cleanup()` called only in `except`, or a `close()` method that nothing calls,
+        does not). Dunder methods and the methods of a class with a base (hooks that a
+        framework calls) do, and in a library, whose callers are elsewhere, all code does."""
+        peers = self.peers or [self]
+        if scope.is_module or _depth > _MAX_HOPS or not any(p.runs_as_script for p in peers):
+            return True
+        if scope.is_method and (scope.name.startswith("__") or _has_base(peers, scope)):
+            return True
+        return any(
+            ref.name == scope.name
+            and ref.scope is not scope
+            and not peer.on_error_path(ref)
+            and self.runs_normally(ref.scope, _depth + 1)
+            for peer in peers
+            for ref in peer.index.refs
+        )
 
     # -- finding calls ----------------------------------------------------------------
 
@@ -224,6 +264,12 @@ class FileAnalysis:
         `init_process_group`, or hands a function to `ddpkit.launch`, which starts the
         group on every rank before calling it."""
         return bool(self.process_group_inits or self.ddpkit_calls("launch"))
+
+    def in_process_group(self, scope: Scope) -> bool:
+        """Code in `scope` runs in the ranks of a process group: its file joins one, or
+        code of the program that starts one calls it (`dist_utils.init_distributed()` in
+        the script, then `model.save(step)` of a class in `models/`)."""
+        return self.joins_process_group or scope in self.callgraph.group_code
 
     @cached_property
     def is_ddp_script(self) -> bool:

@@ -14,7 +14,8 @@ in its own file and in the other checked files that import it:
 
 Calls are matched to what they call: `f()` to the function f of this file or the
 one it imports, `mod.f()` to f in the imported module, `self.m()` to the method of
-the enclosing class, `x.m()` to x's class when `x = SomeClass(...)` is in sight.
+the enclosing class, `x.m()` to x's class when `x = SomeClass(...)` is in sight (or
+`x = make(...)` with a factory `make` of the program that returns one class).
 Otherwise `x.m()` matches every method named m by name alone; such a guess never
 makes a function ALL nor GUARDED, it only keeps it from being GUARDED.
 """
@@ -22,13 +23,14 @@ makes a function ALL nor GUARDED, it only keeps it from being GUARDED.
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 
 from ddpkit.check.index import ClassInfo, Guard, Index, Ref, Scope, Site
 from ddpkit.check.linking import Link
-from ddpkit.check.names import Imports, dotted
+from ddpkit.check.names import Imports, dotted, tail
 from ddpkit.check.paths import Divergence, PathModel
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS, RankModel
 from ddpkit.collectives import COLLECTIVES
@@ -122,6 +124,8 @@ class CallGraph:
                 for name, method in info.methods.items():
                     methods.setdefault(name, []).append(method)
             self._methods_named[id(unit)] = methods
+        unit_of = {fn: unit for unit in self._units for fn in unit.index.functions}
+        self._unit_of = unit_of
         self._types: dict[tuple[Scope, str], _Class] = {}
         for unit in self._units:
             self._instance_types(unit)
@@ -145,8 +149,6 @@ class CallGraph:
                 )
                 for target in targets:
                     self._incoming[target].append(edge)
-        unit_of = {fn: unit for unit in self._units for fn in unit.index.functions}
-        self._unit_of = unit_of
         self._reached: set[Scope] | None = None
         self._collectives: dict[Scope, frozenset[str]] = {}
         self._sites: dict[int, dict[Scope, list[Site]]] = {}
@@ -200,13 +202,49 @@ class CallGraph:
                 return (module, info) if info is not None else None
         return None
 
+    def _made_by(self, unit: Unit, func: ast.expr) -> _Class | None:
+        """The one class a factory of the program returns (`define_model(opt)` ending in
+        `model = M(opt); return model`, or `return M(opt)`), else None."""
+        factories: list[Scope] = []
+        if isinstance(func, ast.Name):
+            factories = self._functions_named[id(unit)].get(func.id, [])
+            found = self._linked(unit, func.id)
+            if not factories and found is not None and found[1] is not None:
+                factories = self._functions_named[id(found[0])].get(found[1], [])
+        elif isinstance(func, ast.Attribute):
+            module = self._module_of(unit, func.value)
+            if module is not None:
+                factories = self._functions_named[id(module)].get(func.attr, [])
+        if len(factories) != 1 or not factories[0].returns:
+            return None
+        factory = factories[0]
+        home = self._unit_of[factory]
+        made: set[_Class] = set()
+        for returned in factory.returns:
+            values = [returned]
+            if isinstance(returned, ast.Name):
+                values = [
+                    a.value
+                    for a in home.index.assignments
+                    if a.scope is factory
+                    and isinstance(a.target, ast.Name)
+                    and a.target.id == returned.id
+                ]
+            for value in values:
+                cls = self._class_of(home, value.func) if isinstance(value, ast.Call) else None
+                if cls is None:
+                    return None
+                made.add(cls)
+        return made.pop() if len(made) == 1 else None
+
     def _instance_types(self, unit: Unit) -> None:
-        """`x = Trainer(...)` -> (scope, "x"); `self.t = Trainer(...)` -> (module, "t")."""
+        """`x = Trainer(...)` -> (scope, "x"); `self.t = Trainer(...)` -> (module, "t");
+        also through a factory of the program (`model = define_model(opt)`)."""
         for a in unit.index.assignments:
             value = a.value
             if not isinstance(value, ast.Call):
                 continue
-            cls = self._class_of(unit, value.func)
+            cls = self._class_of(unit, value.func) or self._made_by(unit, value.func)
             if cls is None:
                 continue
             if isinstance(a.target, ast.Name):
@@ -394,21 +432,36 @@ class CallGraph:
             self._reached = self._reach()
         return scope in self._reached
 
+    @cached_property
+    def group_code(self) -> set[Scope]:
+        """The code that runs in the ranks of a process group: the functions (and module
+        levels) whose calls reach an `init_process_group`, and all that they call (surely,
+        not by a guess on a method name)."""
+        callers: dict[Scope | None, list[Scope]] = {}
+        called: dict[Scope | None, list[Scope]] = {}
+        for fn, edges in self._incoming.items():
+            for edge in edges:
+                if edge.exact:
+                    callers.setdefault(fn, []).append(edge.ref.scope)
+                    called.setdefault(edge.ref.scope, []).append(fn)
+        starts = [
+            site.scope
+            for unit in self._units
+            if "init_process_group" in unit.index.seen
+            for site in unit.index.calls
+            if tail(site.call.func) == "init_process_group"
+        ]
+        return _closure(_closure(starts, callers), called)
+
     def _reach(self) -> set[Scope]:
         outgoing: dict[Scope | None, list[Scope]] = {}
         for fn, edges in self._incoming.items():
             for edge in edges:
                 outgoing.setdefault(edge.owner, []).append(fn)
         library = not any(unit.script for unit in self._units)
-        stack = list(outgoing.get(None, ()))
-        stack.extend(fn for fn in self._unit_of if library or fn.is_method)
-        reached: set[Scope] = set()
-        while stack:
-            fn = stack.pop()
-            if fn not in reached:
-                reached.add(fn)
-                stack.extend(outgoing.get(fn, ()))
-        return reached
+        starts = list(outgoing.get(None, ()))
+        starts.extend(fn for fn in self._unit_of if library or fn.is_method)
+        return _closure(starts, outgoing)
 
     def collectives_of(self, fn: Scope, _depth: int = 0) -> frozenset[str]:
         """The collectives that any call of `fn` surely makes, directly or through the
@@ -468,3 +521,15 @@ class CallGraph:
                     in_loop.add(fn)
                     changed = True
         return in_loop
+
+
+def _closure(starts: Iterable[Scope], step: Mapping[Scope | None, list[Scope]]) -> set[Scope]:
+    """`starts` and all that `step` leads to from them, again and again."""
+    found: set[Scope] = set()
+    stack = list(starts)
+    while stack:
+        scope = stack.pop()
+        if scope not in found:
+            found.add(scope)
+            stack.extend(step.get(scope, ()))
+    return found

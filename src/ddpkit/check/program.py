@@ -38,6 +38,18 @@ def _components(links: Sequence[dict[str, Link]]) -> list[int]:
     return [find(i) for i in range(len(links))]
 
 
+def _imported(links: Sequence[dict[str, Link]], position: int) -> set[int]:
+    """The files that a file imports, directly or through the files it imports."""
+    found: set[int] = set()
+    stack = [link.target for link in links[position].values()]
+    while stack:
+        target = stack.pop()
+        if target not in found:
+            found.add(target)
+            stack.extend(link.target for link in links[target].values())
+    return found
+
+
 def analyse_program(
     files: Sequence[tuple[Path, ast.Module]], roots: Sequence[Path]
 ) -> list[FileAnalysis]:
@@ -47,12 +59,13 @@ def analyse_program(
     names: dict[int, frozenset[str]] = {}
     analyses: list[FileAnalysis] = []
     for position, ((_, tree), file_links) in enumerate(zip(files, links, strict=True)):
-        linked: set[str] = set()
-        for local, link in file_links.items():
-            linked.add(local.rpartition(".")[2])
-            if link.target not in names:
-                names[link.target] = frozenset(defined_names(files[link.target][1]))
-            linked |= names[link.target]
+        linked = {local.rpartition(".")[2] for local in file_links}
+        # Also the names of the files those import, and so on: `model.save(step)` calls a
+        # method of a class that a factory of an imported file builds from a third one.
+        for target in _imported(links, position):
+            if target not in names:
+                names[target] = frozenset(defined_names(files[target][1]))
+            linked |= names[target]
         analyses.append(FileAnalysis(tree, file_links, frozenset(linked)))
         analyses[-1].position = position
     if len(analyses) < 2:

@@ -42,11 +42,15 @@ def _in_memory(target: ast.expr, site: Site, fa: FileAnalysis) -> bool:
 
 
 def per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
-    """The path names the rank, directly or through `path = f"out_{rank}.pt"` nearby."""
+    """The path names the rank, directly or through a variable it is built from:
+    `path = f"out_{rank}.pt"`, or `f"{logdir}/data.pt"` with `logdir` set per rank."""
     if fa.ranks.mentions_rank(target, site.scope):
         return True
-    return isinstance(target, ast.Name) and any(
-        fa.ranks.mentions_rank(a.value, a.scope) for a in assignments_to(fa, target.id, site.scope)
+    names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return any(
+        fa.ranks.mentions_rank(a.value, a.scope)
+        for name in names
+        for a in assignments_to(fa, name, site.scope)
     )
 
 
@@ -125,10 +129,8 @@ def per_item_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    if not fa.joins_process_group:
-        return
     for site, target in checkpoint_writes(fa):
-        if target is None or fa.in_launcher(site):
+        if target is None or fa.in_launcher(site) or not fa.in_process_group(site.scope):
             continue
         condition = None
         if not fa.runs_on_every_rank(site):
