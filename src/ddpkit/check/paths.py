@@ -103,6 +103,34 @@ class Atoms:
         return test
 
 
+def fails(body: list[ast.stmt]) -> bool:
+    """True when a block always ends in an error: `raise`, or `sys.exit(1)` (an exit with
+    a code other than 0 or None; `sys.exit()` is a normal way out)."""
+    last = body[-1]
+    if isinstance(last, ast.Raise):
+        return True
+    if not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)):
+        return False
+    call = last.value
+    if not exits([last]) or not call.args:
+        return False
+    code = call.args[0]
+    return not (isinstance(code, ast.Constant) and code.value in (0, None))
+
+
+def on_error_path(guards: tuple[Guard, ...]) -> bool:
+    """Code behind `guards` sits in an `if` branch that ends in an error (`if not ok:
+    cleanup(); raise ...`): it runs only when something went wrong."""
+    for guard in guards:
+        owner = guard.owner
+        if isinstance(owner, ast.If) and (
+            (guard.branch == BODY and fails(owner.body))
+            or (guard.branch == ORELSE and fails(owner.orelse))
+        ):
+            return True
+    return False
+
+
 def value_of(formula: Formula, env: dict[str, bool]) -> bool:
     if isinstance(formula, bool):
         return formula

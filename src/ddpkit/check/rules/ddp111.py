@@ -39,10 +39,11 @@ def _runs(fa: FileAnalysis, site: Site) -> bool:
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    # Only a call outside `except`, in code that can run and on every rank, counts: a
-    # cleanup that runs on errors alone, a `cleanup()` helper that nothing calls or a
-    # destroy in the else of `if rank == 0:` leaves the normal exit path without one.
-    # `finally` and atexit.register count. Checked with a folder, a destroy in any file
+    # Only a call on a way through the program where nothing fails, and on every rank,
+    # counts: a cleanup in `except` or before a `raise`, a `disconnect()` that only a
+    # retry handler calls, a `close()` method that nothing calls or a destroy in the else
+    # of `if rank == 0:` leaves the normal exit path without one. `finally` and
+    # atexit.register count. Checked with a folder, a destroy in any file
     # linked to this one by imports counts.
     if fa.program_reaches("destroy_process_group"):
         return
