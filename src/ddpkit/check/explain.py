@@ -158,6 +158,29 @@ EXPLANATIONS: dict[str, Explanation] = {
                 finally:
                     dist.destroy_process_group()""",
     ),
+    "DDP113": Explanation(
+        why="""Every rank must make the same collective calls, in the same order. A loop
+            that one rank leaves early, on a value only it holds (the KL of its own
+            minibatch, rank 0's validation loss, a counter only rank 0 moves), leaves
+            the other ranks in the loop, waiting in the next all-reduce or DDP backward
+            for a rank that never comes: the job hangs. Make the decision on a value
+            every rank agrees on: all-reduce or broadcast it first, then test it.
+            Severity: error when the value is surely per-rank (a rank test, or computed
+            from this rank's data or model), a warning when the rank is one by its name
+            only. DDP112 is `ddpkit run --audit`'s (the ranks trained different weights).""",
+        wrong="""
+            for epoch in range(epochs):
+                train_one_epoch(ddp_model, loader, optimizer)  # backward: all-reduce
+                if rank == 0 and validate(ddp_model) > best:
+                    break  # ranks 1.. start another epoch and wait""",
+        right="""
+            for epoch in range(epochs):
+                train_one_epoch(ddp_model, loader, optimizer)
+                stop = torch.tensor(int(rank == 0 and validate(ddp_model) > best))
+                dist.broadcast(stop, src=0)  # every rank now holds rank 0's decision
+                if stop.item():
+                    break""",
+    ),
 }
 
 _UNREADABLE_TEXT = (

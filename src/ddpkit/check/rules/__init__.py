@@ -6,7 +6,9 @@ import importlib
 
 from ddpkit.check.rules.base import Hit, Rule
 
-_CODES = range(101, 112)  # DDP101 .. DDP111
+# DDP101 .. DDP111, DDP113: DDP112 is the audit's (`ddpkit run --audit`: the ranks
+# trained different weights), which only a run can see.
+_CODES = (*range(101, 112), 113)
 RULES: tuple[Rule, ...] = tuple(
     importlib.import_module(f"ddpkit.check.rules.ddp{code}").RULE for code in _CODES
 )

@@ -1,0 +1,398 @@
+"""DDP113: some ranks leave a loop early on a value of their own, while the others stay
+in it and make a collective (an all-reduce, DDP's backward): those wait forever.
+
+`if approx_kl > target_kl: break` where the KL comes from this rank's minibatch,
+`if rank == 0 and bad_epochs > patience: break`, rank 0 alone moving the counter of
+a `while` loop. The value is per-rank when it is a rank test (see `ranks.py`) or is
+computed from this rank's data: the items of a loop over a loader, what the trained
+model returns, what a function of this file returns from those. A value that went
+through a collective (`dist.all_reduce(flag)`, `flag = reduce_mean(...)`) is agreed
+on by every rank and safe.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ddpkit.check.analysis import FileAnalysis
+from ddpkit.check.callgraph import collective
+from ddpkit.check.index import Scope
+from ddpkit.check.names import dotted, tail
+from ddpkit.check.rules.base import Hit, Rule, show
+from ddpkit.collectives import COLLECTIVES
+from ddpkit.findings import Severity
+
+# Calls that return a value agreed on by every rank (ddpkit's, Accelerate's, torch's).
+_AGREEING = frozenset(
+    {
+        *("reduce_mean", "reduce_sum", "gather_for_metrics", "reduce", "gather"),
+        *("all_reduce", "all_gather", "broadcast", "broadcast_object_list", "all_gather_object"),
+    }
+)
+# Reading these of per-rank data gives the same on every rank (DistributedSampler
+# gives each rank as many samples, in batches of one size).
+_SHAPE_READS = frozenset({"shape", "ndim", "dtype", "device", "size", "numel", "dim", "len"})
+# Methods of a model that return no output of its forward.
+_MODEL_ADMIN = frozenset(
+    {
+        *("parameters", "named_parameters", "state_dict", "load_state_dict", "train", "eval"),
+        *("to", "cuda", "cpu", "zero_grad", "modules", "children", "buffers", "requires_grad_"),
+    }
+)
+# Methods of a model named for what they set up, not for computing outputs from inputs.
+_NOT_FORWARD = ("configure", "create", "build", "init", "load", "save", "register", "set")
+_FIX = (
+    "agree on the decision first: put it in a tensor and `dist.all_reduce(flag, "
+    "op=dist.ReduceOp.MAX)` (or `dist.broadcast(flag, src=0)`) on every rank, then test "
+    "the agreed flag"
+)
+
+
+@dataclass
+class _ScopeFacts:
+    """What one walk of a function's own code (not its nested functions) shows."""
+
+    # (bound names, value, True for a `for` target) in source order.
+    bindings: list[tuple[list[str], ast.expr, bool]] = field(default_factory=list)
+    loops: list[ast.For | ast.While] = field(default_factory=list)
+
+
+def _names(target: ast.expr) -> list[str]:
+    return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
+
+
+def _walk_scope(body: list[ast.stmt], facts: _ScopeFacts) -> None:
+    for stmt in body:
+        for node in _own_nodes(stmt):
+            if isinstance(node, (ast.For, ast.AsyncFor)):
+                facts.bindings.append((_names(node.target), node.iter, True))
+                if isinstance(node, ast.For):
+                    facts.loops.append(node)
+            elif isinstance(node, ast.While):
+                facts.loops.append(node)
+            elif isinstance(node, ast.Assign):
+                names = [n for t in node.targets for n in _names(t)]
+                facts.bindings.append((names, node.value, False))
+            elif (
+                isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.NamedExpr))
+                and node.value is not None
+            ):
+                facts.bindings.append((_names(node.target), node.value, False))
+
+
+_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _own_nodes(node: ast.AST) -> Iterator[ast.AST]:
+    """`node` and what it holds, without nested functions and classes (their own scopes)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, _DEFINITIONS):
+            yield current
+            stack.extend(ast.iter_child_nodes(current))
+
+
+def _reads(expr: ast.expr, names: set[str]) -> bool:
+    """`expr` computes from one of `names`: not only its shape (`x.shape`, `len(x)`), nor
+    only holds it in a dict or list (`{"epoch": epoch, "best": best_loss}`, a checkpoint
+    whose other entries are the same on every rank)."""
+    stack: list[ast.AST] = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Dict, ast.List, ast.Set, ast.Tuple)):
+            continue
+        if isinstance(node, ast.Attribute) and node.attr in _SHAPE_READS:
+            continue
+        if isinstance(node, ast.Call) and tail(node.func) in _SHAPE_READS:
+            continue
+        if isinstance(node, ast.Name) and node.id in names:
+            return True
+        stack.extend(ast.iter_child_nodes(node))
+    return False
+
+
+class _PerRank:
+    """Which variables of each function hold this rank's own values (see the module doc)."""
+
+    def __init__(self, fa: FileAnalysis, facts: dict[Scope, _ScopeFacts]) -> None:
+        self._fa = fa
+        self._facts = facts
+        self._models = self._trained_models()
+        self._functions = {fn.name: fn for fn in fa.index.functions if not fn.is_method}
+        self._memo: dict[Scope, set[str]] = {}
+
+    def _trained_models(self) -> set[str]:
+        """`model` and `self.net`: what the optimizer steps (`X.parameters()`) or DDP wraps."""
+        models = {
+            name
+            for site in self._fa.calls("parameters", "named_parameters")
+            if isinstance(site.call.func, ast.Attribute)
+            and (name := dotted(site.call.func.value)) is not None
+        }
+        for a in self._fa.index.assignments:
+            if self._fa.is_ddp_wrap(a.value) and (name := dotted(a.target)) is not None:
+                models.add(name)
+        return models
+
+    def _runs_model(self, expr: ast.expr) -> bool:
+        for node in ast.walk(expr):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            if dotted(func) in self._models:
+                return True
+            if (
+                isinstance(func, ast.Attribute)
+                and node.args
+                and func.attr not in _MODEL_ADMIN
+                and not func.attr.startswith(_NOT_FORWARD)
+                and dotted(func.value) in self._models
+            ):
+                return True
+        return False
+
+    def _returns_per_rank(self, expr: ast.expr, depth: int) -> bool:
+        """`evaluate(model, val_loader)`, a function of this file returning per-rank data."""
+        for node in ast.walk(expr):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                fn = self._functions.get(node.func.id)
+                if fn is not None and depth < 3:
+                    names = self.names(fn, depth + 1)
+                    if any(_reads(r, names) for r in fn.returns):
+                        return True
+        return False
+
+    def names(self, scope: Scope, depth: int = 0) -> set[str]:
+        if scope in self._memo:
+            return self._memo[scope]
+        self._memo[scope] = set()  # a recursive function adds nothing
+        facts = self._facts.get(scope, _ScopeFacts())
+        agreed = self.agreed(scope)
+        tainted: set[str] = set()
+        for _ in range(4):  # values handed on through a few assignments, loops included
+            before = len(tainted)
+            for names, value, is_loop in facts.bindings:
+                if is_loop:
+                    per_rank = _iterates_data(self._fa, value, scope) or _reads(value, tainted)
+                    if per_rank and _counts(value):
+                        names = names[1:]  # `for i, batch in enumerate(loader)`: i is not
+                elif tail(value.func) in _AGREEING if isinstance(value, ast.Call) else False:
+                    continue
+                else:
+                    per_rank = (
+                        _reads(value, tainted)
+                        or self._runs_model(value)
+                        or self._returns_per_rank(value, depth)
+                    )
+                if per_rank:
+                    tainted.update(n for n in names if n not in agreed)
+            if len(tainted) == before:
+                break
+        self._memo[scope] = tainted
+        return tainted
+
+    def agreed(self, scope: Scope) -> set[str]:
+        """Names handed to a collective in `scope`: every rank holds the same value after."""
+        found: set[str] = set()
+        for site in self._fa.index.calls:
+            if site.scope is scope and collective(self._fa.imports, site.call) is not None:
+                for arg in site.call.args:
+                    found.update(_names(arg))
+        return found
+
+
+def _counts(iterable: ast.expr) -> bool:
+    return isinstance(iterable, ast.Call) and tail(iterable.func) == "enumerate"
+
+
+def _iterates_data(fa: FileAnalysis, iterable: ast.expr, scope: Scope) -> bool:
+    """`for batch in train_loader` (through enumerate/tqdm): this rank's shard of data."""
+    while isinstance(iterable, ast.Call) and tail(iterable.func) in ("enumerate", "tqdm", "iter"):
+        if not iterable.args:
+            return False
+        iterable = iterable.args[0]
+    name = tail(iterable) if isinstance(iterable, (ast.Name, ast.Attribute)) else None
+    if name is None:
+        return False
+    if "loader" in name.lower():
+        return True
+    return isinstance(iterable, ast.Name) and any(
+        isinstance(a.target, ast.Name)
+        and a.target.id == iterable.id
+        and a.scope is scope
+        and isinstance(a.value, ast.Call)
+        and tail(a.value.func) in ("DataLoader", "prepare_loader")
+        for a in fa.index.assignments
+    )
+
+
+@dataclass(frozen=True)
+class _Exit:
+    node: ast.stmt  # the break, continue or return, or the assignment to the counter
+    tests: tuple[ast.expr, ...]  # the conditions on the way to it, in the loop
+
+
+def _exits(body: list[ast.stmt], tests: tuple[ast.expr, ...], inner: bool) -> Iterator[_Exit]:
+    """The ways out of a loop's body: `break`/`continue` of this loop, `return`."""
+    for stmt in body:
+        if isinstance(stmt, ast.Return) or (
+            isinstance(stmt, (ast.Break, ast.Continue)) and not inner
+        ):
+            yield _Exit(stmt, tests)
+        elif isinstance(stmt, ast.If):
+            yield from _exits(stmt.body, (*tests, stmt.test), inner)
+            yield from _exits(stmt.orelse, (*tests, stmt.test), inner)
+        elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            yield from _exits(stmt.body, tests, True)
+        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
+            yield from _exits(stmt.body, tests, inner)
+        elif isinstance(stmt, ast.Try):
+            yield from _exits([*stmt.body, *stmt.orelse, *stmt.finalbody], tests, inner)
+
+
+def _counter_moves(
+    loop: ast.While, body: list[ast.stmt], tests: tuple[ast.expr, ...]
+) -> Iterator[_Exit]:
+    """Assignments, under a condition, to a variable that the `while` test reads."""
+    counters = set(_names(loop.test))
+    for stmt in body:
+        if isinstance(stmt, (ast.Assign, ast.AugAssign)) and tests:
+            targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+            if any(n in counters for t in targets for n in _names(t)):
+                yield _Exit(stmt, tests)
+        elif isinstance(stmt, ast.If):
+            yield from _counter_moves(loop, stmt.body, (*tests, stmt.test))
+            yield from _counter_moves(loop, stmt.orelse, (*tests, stmt.test))
+
+
+class _Syncs:
+    """The calls in a loop that wait for every rank: collectives, DDP's backward, and
+    functions that make them."""
+
+    def __init__(self, fa: FileAnalysis) -> None:
+        self._fa = fa
+        programs = fa.peers or [fa]
+        self._ddp = any(p.ddp_wraps or p.ddpkit_calls("prepare_model") for p in programs)
+        # A program with no group, no DDP and no collective of its own has nothing to wait on.
+        self.possible = self._ddp or any(
+            p.joins_process_group or p.calls(*COLLECTIVES) for p in programs
+        )
+
+    def _is_sync(self, call: ast.Call) -> str | None:
+        member = collective(self._fa.imports, call)
+        if member is not None:
+            return f"`{member}`"
+        if self._ddp and tail(call.func) == "backward":
+            return "DDP's gradient all-reduce in `backward()`"
+        return None
+
+    def _function_syncs(self, fn: Scope) -> str | None:
+        made = self._fa.callgraph.collectives_of(fn)
+        if made:
+            return f"`{sorted(made)[0]}`"
+        for site in self._fa.index.calls:
+            if site.scope is fn and (found := self._is_sync(site.call)) is not None:
+                return found
+        return None
+
+    def first_after(self, loop: ast.stmt, scope: Scope, line: int) -> tuple[int, str] | None:
+        """The first sync in `loop` at or after `line` (a call of a function that syncs
+        counts where it is called)."""
+        end = getattr(loop, "end_lineno", loop.lineno)
+        found: list[tuple[int, str]] = []
+        for site in self._fa.index.calls:
+            if site.scope is scope and line <= site.line <= end:
+                what = self._is_sync(site.call)
+                if what is not None:
+                    found.append((site.line, what))
+        for ref in self._fa.index.refs:
+            if ref.scope is scope and ref.call_expr is not None and line <= ref.line <= end:
+                for fn in self._fa.callees(ref):
+                    what = self._function_syncs(fn)
+                    if what is not None:
+                        found.append((ref.line, f"{what} (in `{ref.name}`)"))
+        return min(found) if found else None
+
+
+def _scopes(fa: FileAnalysis) -> dict[Scope, _ScopeFacts]:
+    facts: dict[Scope, _ScopeFacts] = {}
+    for scope in (fa.index.module, *fa.index.functions):
+        node = scope.node
+        body = (
+            node.body
+            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef))
+            else []
+        )
+        _walk_scope(body, facts.setdefault(scope, _ScopeFacts()))
+    return facts
+
+
+def _why_per_rank(
+    fa: FileAnalysis, tests: tuple[ast.expr, ...], scope: Scope, per_rank: set[str]
+) -> tuple[ast.expr, str, bool] | None:
+    """The condition that differs between ranks, why, and whether that is proven."""
+    for test in reversed(tests):
+        if fa.proven.is_rank_condition(test, scope):
+            return test, "a test of the rank", True
+    for test in reversed(tests):
+        read = sorted(n.id for n in ast.walk(test) if isinstance(n, ast.Name) and n.id in per_rank)
+        if read and _reads(test, per_rank):
+            return test, f"`{read[0]}` comes from this rank's own data", True
+    for test in reversed(tests):
+        if fa.ranks.is_rank_condition(test, scope):
+            return test, "a test of the rank (by its name)", False
+    return None
+
+
+def check(fa: FileAnalysis) -> Iterator[Hit]:
+    syncs = _Syncs(fa)
+    if not syncs.possible:
+        return
+    facts = _scopes(fa)
+    per_rank = _PerRank(fa, facts)
+    for scope, scope_facts in facts.items():
+        for loop in scope_facts.loops:
+            leaving = list(_exits(loop.body, (), False))
+            if isinstance(loop, ast.While):
+                leaving += _counter_moves(loop, loop.body, ())
+            for exit_ in leaving:
+                if not exit_.tests:
+                    continue
+                why = _why_per_rank(fa, exit_.tests, scope, per_rank.names(scope))
+                if why is None:
+                    continue
+                start = exit_.node.lineno if isinstance(exit_.node, ast.Continue) else loop.lineno
+                sync = syncs.first_after(loop, scope, start)
+                if sync is None:
+                    continue
+                yield _hit(exit_, why, sync)
+
+
+def _hit(exit_: _Exit, why: tuple[ast.expr, str, bool], sync: tuple[int, str]) -> Hit:
+    test, reason, proven = why
+    node = exit_.node
+    if isinstance(node, (ast.Break, ast.Continue, ast.Return)):
+        what = f"`{show(node)}` leaves the loop"
+        if isinstance(node, ast.Continue):
+            what = "`continue` skips the rest of the loop"
+    else:
+        what = f"`{show(node, 40)}` moves the loop's counter"
+    message = (
+        f"{what} on the ranks where `{show(test, 50)}` (line {test.lineno}) holds "
+        f"({reason}), while the other ranks go on to {sync[1]} (line {sync[0]}) and wait "
+        f"for them forever; {_FIX}"
+    )
+    # Shown at the `if` that decides to leave, where the fix goes.
+    where = exit_.tests[-1] if isinstance(node, (ast.Break, ast.Continue, ast.Return)) else node
+    return (where, message) if proven else (where, message, Severity.WARNING)
+
+
+RULE = Rule(
+    "DDP113",
+    Severity.ERROR,
+    "a loop left early on a per-rank value before a collective the other ranks still make",
+    check,
+)
