@@ -36,6 +36,17 @@ def argument(call: ast.Call, position: int | None, keyword: str) -> ast.expr | N
     return None
 
 
+def passed_for(fn: Scope, call: ast.Call, name: str) -> ast.expr | None:
+    """What a call of function `fn` passes for its parameter `name`, by keyword or by
+    position (a method's `self` is not among the call's arguments), else None."""
+    node = fn.node
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    positional = [a.arg for a in [*node.args.posonlyargs, *node.args.args]]
+    if fn.is_method:
+        positional = positional[1:]
+    return argument(call, positional.index(name) if name in positional else None, name)
+
+
 def has_unknown_arguments(call: ast.Call) -> bool:
     """`f(*args)` or `f(**kwargs)`: any parameter may be given, so rules stay silent."""
     return any(isinstance(a, ast.Starred) for a in call.args) or any(

@@ -16,6 +16,7 @@ from ddpkit.check.rules.base import (
     assignments_to,
     has_unknown_arguments,
     is_constant,
+    passed_for,
 )
 from ddpkit.findings import Severity
 
@@ -111,14 +112,8 @@ def _may_shuffle(fa: FileAnalysis, shuffle: ast.expr, site: Site) -> bool:
     scope = site.scope
     if not isinstance(shuffle, ast.Name) or shuffle.id not in scope.params:
         return False
-    node = scope.node
-    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-    positional = [a.arg for a in [*node.args.posonlyargs, *node.args.args]]
-    position: int | None = None
-    if shuffle.id in positional:
-        position = positional.index(shuffle.id) - (1 if scope.is_method else 0)
     for call in fa.callgraph.calls_of(scope):
-        given = argument(call, position, shuffle.id)
+        given = passed_for(scope, call, shuffle.id)
         if isinstance(given, ast.Constant) and given.value == wanted:
             return True
     return False

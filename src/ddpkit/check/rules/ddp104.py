@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Ref, Scope, Site
 from ddpkit.check.names import tail
-from ddpkit.check.rules.base import Hit, Rule, argument, contains, show
+from ddpkit.check.rules.base import (
+    Hit,
+    Rule,
+    argument,
+    assignments_to,
+    contains,
+    passed_for,
+    show,
+)
 from ddpkit.check.rules.ddp103 import checkpoint_writes
 from ddpkit.findings import Severity
 
@@ -310,25 +318,64 @@ def _saved_shape(fa: FileAnalysis, state_dict: ast.Call, site: Site) -> str | No
     return None
 
 
+def _handed_a_wrapper(
+    fa: FileAnalysis, receiver: ast.expr, site: Site, depth: int = 0
+) -> FileAnalysis | None:
+    """`train(net, ...)` after `net = DDP(net)`: a parameter that a call of its function,
+    in any file of the program, passes the wrapper (also through a few such hand-offs).
+    The file where the wrapper is made, else None."""
+    fn = site.scope
+    if (
+        not isinstance(receiver, ast.Name)
+        or receiver.id not in fn.params
+        or assignments_to(fa, receiver.id, fn, module=False)
+        or depth > 2
+    ):
+        return None
+    for peer in fa.peers or [fa]:
+        timelines: dict[_Key, _Timeline] | None = None
+        for ref in peer.index.refs:
+            call = ref.call_expr
+            if call is None or ref.name != fn.name or fn not in peer.callees(ref):
+                continue
+            given = passed_for(fn, call, receiver.id)
+            if given is None:
+                continue
+            timelines = timelines if timelines is not None else _timelines(peer)
+            if _is_wrapped_receiver(given, ref, timelines, peer.index.module):
+                return peer
+            further = _handed_a_wrapper(peer, given, ref, depth + 1)
+            if further is not None:
+                return further
+    return None
+
+
+def _wraps(fa: FileAnalysis) -> bool:
+    return bool(fa.ddp_wraps or fa.ddpkit_calls("prepare_model"))
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
-    if not (fa.ddp_wraps or fa.ddpkit_calls("prepare_model")) or any(
+    if not any(_wraps(peer) for peer in fa.peers or [fa]) or any(
         fa.mentions(name) for name in _PREFIX_FIXERS
     ):
         return
     candidates = fa.calls("state_dict")
     if not candidates:
         return
-    timelines = _timelines(fa)
-    if not timelines:
-        return
-    resume = _reloaded_into_wrapper(fa, timelines)
+    timelines = _timelines(fa) if _wraps(fa) else {}
+    own_resume = _reloaded_into_wrapper(fa, timelines) if timelines else None
     for site in candidates:
         call = site.call
         if not isinstance(call.func, ast.Attribute) or call.args or call.keywords:
             continue
         receiver = call.func.value
+        resume = own_resume
         if not _is_wrapped_receiver(receiver, site, timelines, fa.index.module):
-            continue
+            # Handed in by a caller: the wrapper's file tells how it is resumed.
+            maker = _handed_a_wrapper(fa, receiver, site)
+            if maker is None:
+                continue
+            resume = _reloaded_into_wrapper(maker, _timelines(maker))
         if not _is_saved(fa, call, site):
             continue
         if resume is not None and resume.covers(_saved_shape(fa, call, site)):
