@@ -198,8 +198,7 @@ class CallGraph:
         if isinstance(func, ast.Attribute):
             module = self._module_of(unit, func.value)
             if module is not None:
-                info = module.index.classes.get(func.attr)
-                return (module, info) if info is not None else None
+                return self._class_named(module, func.attr)
         return None
 
     def _made_by(self, unit: Unit, func: ast.expr) -> _Class | None:
@@ -275,6 +274,17 @@ class CallGraph:
             targets.extend(self._methods((unit, info), "__init__"))
         return targets
 
+    def _in_module(self, module: Unit, name: str) -> list[Scope]:
+        """`module.name(...)`: the module's own function (or class) `name`, or the one it
+        imports under that name (`from .trainer import train` in a package's `__init__`)."""
+        own = self._members(module, name)
+        if own:
+            return own
+        found = self._linked(module, name)
+        if found is None or found[1] is None:
+            return []
+        return self._members(found[0], found[1])
+
     def _by_name(self, unit: Unit, name: str) -> list[Scope]:
         """Every method named `name` in this file and the files it imports (a guess)."""
         found = list(self._methods_named[id(unit)].get(name, ()))
@@ -305,7 +315,7 @@ class CallGraph:
             return [], True
         module = self._module_of(unit, receiver)
         if module is not None:
-            return self._members(module, name), True
+            return self._in_module(module, name), True
         cls: _Class | None = None
         if isinstance(receiver, ast.Name):
             if receiver.id in index.imports.aliases:
