@@ -47,6 +47,19 @@ def passed_for(fn: Scope, call: ast.Call, name: str) -> ast.expr | None:
     return argument(call, positional.index(name) if name in positional else None, name)
 
 
+def default_of(fn: Scope, name: str) -> ast.expr | None:
+    """The default value of parameter `name` of function `fn`, else None."""
+    node = fn.node
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    args = node.args
+    positional = [*args.posonlyargs, *args.args]
+    pairs = [
+        *zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True),
+        *zip(args.kwonlyargs, args.kw_defaults, strict=True),
+    ]
+    return next((default for arg, default in pairs if arg.arg == name), None)
+
+
 def has_unknown_arguments(call: ast.Call) -> bool:
     """`f(*args)` or `f(**kwargs)`: any parameter may be given, so rules stay silent."""
     return any(isinstance(a, ast.Starred) for a in call.args) or any(
