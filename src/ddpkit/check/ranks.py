@@ -118,6 +118,8 @@ _MAY_CARRY = (
 # Values whose truth can hinge on the rank beyond being a rank or a predicate name.
 _CONDITION_TYPES = (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.NamedExpr)
 _WRAPPERS = frozenset({"int", "str", "bool"})
+# How many assignments back `built_from_rank` follows a value.
+_BUILT_FROM_HOPS = 3
 
 
 def _env_key(node: ast.expr) -> str | None:
@@ -471,3 +473,26 @@ class RankModel:
             isinstance(node, ast.expr) and self.is_rank_value(node, scope)
             for node in ast.walk(expr)
         )
+
+    def built_from_rank(self, expr: ast.expr, scope: Scope) -> bool:
+        """True when `expr` mentions the rank, directly or through the variables it is
+        built from, a few assignments deep: `path = join(rank_dir, "last.pt")` after
+        `rank_dir = join(out, f"rank_{rank}")` names one file per rank."""
+        values = [(expr, scope)]
+        seen: set[str] = set()
+        for _ in range(_BUILT_FROM_HOPS + 1):
+            if any(self.mentions_rank(value, where) for value, where in values):
+                return True
+            names = {
+                n.id for value, _ in values for n in ast.walk(value) if isinstance(n, ast.Name)
+            }
+            names -= seen
+            seen |= names
+            values = [
+                (a.value, a.scope)
+                for a in self._index.assignments
+                if isinstance(a.target, ast.Name)
+                and a.target.id in names
+                and a.scope in (scope, self._index.module)
+            ]
+        return False

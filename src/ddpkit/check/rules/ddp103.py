@@ -42,16 +42,9 @@ def _in_memory(target: ast.expr, site: Site, fa: FileAnalysis) -> bool:
 
 
 def per_rank_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
-    """The path names the rank, directly or through a variable it is built from:
+    """The path names the rank, directly or through the variables it is built from:
     `path = f"out_{rank}.pt"`, or `f"{logdir}/data.pt"` with `logdir` set per rank."""
-    if fa.ranks.mentions_rank(target, site.scope):
-        return True
-    names = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
-    return any(
-        fa.ranks.mentions_rank(a.value, a.scope)
-        for name in names
-        for a in assignments_to(fa, name, site.scope)
-    )
+    return fa.ranks.built_from_rank(target, site.scope)
 
 
 # Tests of "is this job distributed at all?": when they let every rank through,
