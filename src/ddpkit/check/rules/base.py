@@ -60,6 +60,21 @@ def default_of(fn: Scope, name: str) -> ast.expr | None:
     return next((default for arg, default in pairs if arg.arg == name), None)
 
 
+def option_dest(call: ast.Call) -> str | None:
+    """`add_argument("--dist-url", ...)` -> "dist_url" (the attribute argparse sets)."""
+    dest = argument(call, None, "dest")
+    if isinstance(dest, ast.Constant) and isinstance(dest.value, str):
+        return dest.value
+    for arg in call.args:
+        if (
+            isinstance(arg, ast.Constant)
+            and isinstance(arg.value, str)
+            and arg.value.startswith("--")
+        ):
+            return arg.value[2:].replace("-", "_")
+    return None
+
+
 def has_unknown_arguments(call: ast.Call) -> bool:
     """`f(*args)` or `f(**kwargs)`: any parameter may be given, so rules stay silent."""
     return any(isinstance(a, ast.Starred) for a in call.args) or any(

@@ -8,7 +8,17 @@ from collections.abc import Iterator
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
 from ddpkit.check.names import dotted, tail
-from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
+from ddpkit.check.rules.base import (
+    Hit,
+    Rule,
+    argument,
+    assignments_to,
+    default_of,
+    has_unknown_arguments,
+    option_dest,
+    passed_for,
+    show,
+)
 from ddpkit.findings import Severity
 
 # Any of these picks a device per process.
@@ -24,12 +34,37 @@ def _is_nccl_literal(expr: ast.expr) -> bool:
     return isinstance(expr, ast.Attribute) and expr.attr == "NCCL"
 
 
+def _is_nccl_given(fa: FileAnalysis, expr: ast.expr | None) -> bool:
+    """A literal, or an option of the program whose argparse default is nccl
+    (`args.dist_backend` after `add_argument("--dist-backend", default="nccl")`)."""
+    if expr is None or _is_nccl_literal(expr):
+        return expr is not None
+    return isinstance(expr, ast.Attribute) and any(
+        option_dest(option.call) == expr.attr
+        and (default := argument(option.call, None, "default")) is not None
+        and _is_nccl_literal(default)
+        for peer in fa.peers or [fa]
+        for option in peer.calls("add_argument")
+    )
+
+
 def _may_be_nccl(expr: ast.expr | None, scope: Scope, fa: FileAnalysis) -> bool:
     if expr is None:
         return False  # the default backend depends on the machine: do not guess
-    return _is_nccl_literal(expr) or (
-        isinstance(expr, ast.Name)
-        and any(_is_nccl_literal(a.value) for a in assignments_to(fa, expr.id, scope))
+    if _is_nccl_given(fa, expr):
+        return True
+    if not isinstance(expr, ast.Name):
+        return False
+    if any(_is_nccl_literal(a.value) for a in assignments_to(fa, expr.id, scope)):
+        return True
+    # A helper's parameter: its default, or what a call of the helper passes for it
+    # (`init(backend=args.dist_backend)`).
+    return expr.id in scope.params and (
+        _is_nccl_given(fa, default_of(scope, expr.id))
+        or any(
+            _is_nccl_given(fa, passed_for(scope, call, expr.id))
+            for call in fa.callgraph.calls_of(scope)
+        )
     )
 
 
@@ -115,6 +150,8 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             continue
         if not _may_be_nccl(argument(call, 0, "backend"), site.scope, fa):
             continue
+        if has_unknown_arguments(call):
+            continue  # `**kwargs` may hold the `device_id`
         if _chooses_device(fa, site):
             continue
         yield (

@@ -9,7 +9,15 @@ from collections.abc import Iterator
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.index import Scope, Site
 from ddpkit.check.names import dotted, tail
-from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, has_unknown_arguments, show
+from ddpkit.check.rules.base import (
+    Hit,
+    Rule,
+    argument,
+    assignments_to,
+    has_unknown_arguments,
+    option_dest,
+    show,
+)
 from ddpkit.findings import Severity
 
 _PORT_KEY = "MASTER_PORT"
@@ -164,21 +172,6 @@ def _names_another_machine(expr: ast.expr) -> bool:
     )
 
 
-def _option_dest(call: ast.Call) -> str | None:
-    """`add_argument("--dist-url", ...)` -> "dist_url" (the attribute argparse sets)."""
-    dest = argument(call, None, "dest")
-    if isinstance(dest, ast.Constant) and isinstance(dest.value, str):
-        return dest.value
-    for arg in call.args:
-        if (
-            isinstance(arg, ast.Constant)
-            and isinstance(arg.value, str)
-            and arg.value.startswith("--")
-        ):
-            return arg.value[2:].replace("-", "_")
-    return None
-
-
 def _stored_urls(fa: FileAnalysis, url: ast.Name | ast.Attribute, site: Site) -> Iterator[Hit]:
     """`url = "tcp://...:port"` or `args.dist_url = ...` before the init; argparse defaults."""
     if isinstance(url, ast.Name):
@@ -202,7 +195,7 @@ def _stored_urls(fa: FileAnalysis, url: ast.Name | ast.Attribute, site: Site) ->
         default = argument(option.call, None, "default")
         if (
             default is not None
-            and _option_dest(option.call) == url.attr
+            and option_dest(option.call) == url.attr
             and _has_port(default)
             and not _names_another_machine(default)
         ):
