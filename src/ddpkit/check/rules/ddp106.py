@@ -133,18 +133,40 @@ def _subgroup_split(fa: FileAnalysis, site: Site) -> str | None:
     return None
 
 
-def _events(fa: FileAnalysis, site: Site, member: str) -> list[Site]:
-    """The places in the site's function that make collective `member`: its own calls
-    and calls of the program's functions that make it."""
-    found: list[Site] = [
-        other
+def _events(fa: FileAnalysis, site: Site, member: str) -> list[tuple[Site, int]]:
+    """The places in the site's function that make collective `member`, with how many
+    times each makes it: its own calls (once), and calls of the program's functions
+    that make it (`receive_task()` with its two broadcasts pairs up with two direct
+    ones in the other branch)."""
+    found: list[tuple[Site, int]] = [
+        (other, 1)
         for other, other_member in _collectives(fa)
         if other.scope is site.scope and other_member == member
     ]
     for ref in fa.index.refs:
         if ref.scope is site.scope and ref.call_expr is not None and member in _made_by(fa, ref):
-            found.append(ref)
+            found.append((ref, max(_times(fa, fn, member) for fn in fa.callees(ref))))
     return found
+
+
+def _times(fa: FileAnalysis, fn: Scope, member: str) -> int:
+    """How many times a call of `fn` makes `member`: the number of its own calls of it
+    when each runs once (no test, no loop around it) and it makes none through other
+    functions; otherwise 1, as an unknown count was taken before."""
+    root = fn
+    while root.parent is not None:
+        root = root.parent
+    home = next((p for p in fa.peers or [fa] if p.index.module is root), None)
+    if home is None:
+        return 1
+    own = [s for s, m in _collectives(home) if s.scope is fn and m == member]
+    through = any(
+        ref.scope is fn and ref.call_expr is not None and member in _made_by(home, ref)
+        for ref in home.index.refs
+    )
+    if not own or through or any(s.guards or s.loop_depth for s in own):
+        return 1
+    return len(own)
 
 
 def _made_by(fa: FileAnalysis, ref: Ref) -> frozenset[str]:
@@ -155,14 +177,15 @@ def _made_by(fa: FileAnalysis, ref: Ref) -> frozenset[str]:
     return made
 
 
-def _counts(fa: FileAnalysis, events: list[Site], env: dict[str, bool]) -> int | None:
-    """How many of `events` a rank with tests `env` passes; None when one cannot tell."""
+def _counts(fa: FileAnalysis, events: list[tuple[Site, int]], env: dict[str, bool]) -> int | None:
+    """How many collective calls `events` make on a rank with tests `env`; None when one
+    cannot tell."""
     total = 0
-    for event in events:
+    for event, times in events:
         holds = fa.paths.holds(event.guards, env)
         if holds is None:
             return None
-        total += holds
+        total += times * holds
     return total
 
 
@@ -181,7 +204,7 @@ def _balanced(fa: FileAnalysis, site: Site, member: str, found: Divergence) -> b
     # the user is pairing them up on purpose; trust it.
     return any(
         event is not site and fa.paths.divergence(event.guards, event.scope) is not None
-        for event in events
+        for event, _ in events
     )
 
 
