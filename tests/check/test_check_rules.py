@@ -407,7 +407,32 @@ def test_ddp107_only_in_ddp_scripts_and_ddp108_everywhere() -> None:
     ],
 )
 def test_ddp109(setup: str, expected: list[str]) -> None:
-    source = f"def setup(rank, backend):\n    {setup}\n"
+    source = f"def setup(rank, backend, model):\n    {setup}\n    return model.cuda()\n"
+    assert codes(source, "DDP109") == expected
+
+
+@pytest.mark.parametrize(
+    ("use", "expected"),
+    [
+        ("torch.cuda.synchronize()", ["DDP109"]),
+        ("torch.cuda.empty_cache()", ["DDP109"]),
+        ("DataLoader(data, batch_size=8, pin_memory=True)", ["DDP109"]),
+        ("dist.all_gather_object(out, data)", ["DDP109"]),
+        ('torch.zeros(2, device="cuda")', ["DDP109"]),
+        ('data.to(torch.device("cuda"))', ["DDP109"]),
+        # The rank's GPU named explicitly: the current device is never used.
+        ("torch.cuda.synchronize(rank)", []),
+        ("data.cuda(rank)", []),
+        ("torch.zeros(2, device=rank)", []),
+        ("dist.barrier()", []),  # guesses rank % device count: the rank's own GPU here
+        # A fixed count of GPUs per node: wrong on smaller nodes.
+        ('data.to(f"cuda:{dist.get_rank() % 8}")', ["DDP109"]),
+        ('data.to(f"cuda:{dist.get_rank() % torch.cuda.device_count()}")', []),
+    ],
+)
+def test_ddp109_needs_a_use_of_the_current_device(use: str, expected: list[str]) -> None:
+    """Without `set_device`, only what works on the current device lands on GPU 0."""
+    source = f'def run(rank, data, out):\n    dist.init_process_group("nccl")\n    {use}\n'
     assert codes(source, "DDP109") == expected
 
 

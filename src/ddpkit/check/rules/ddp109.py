@@ -15,6 +15,7 @@ from ddpkit.check.rules.base import (
     assignments_to,
     default_of,
     has_unknown_arguments,
+    is_constant,
     option_dest,
     passed_for,
     show,
@@ -100,6 +101,115 @@ def _chooses_device(fa: FileAnalysis, site: Site) -> bool:
     return any(_file_chooses_device(peer) for peer in fa.peers or [fa])
 
 
+# `torch.cuda` calls that, given no device, work on the current one.
+_ON_CURRENT_DEVICE = frozenset(
+    {
+        "synchronize",
+        "empty_cache",
+        "current_device",
+        "memory_allocated",
+        "max_memory_allocated",
+        "memory_reserved",
+        "max_memory_reserved",
+        "reset_peak_memory_stats",
+    }
+)
+# With nccl these stage their pickled objects on the current device.
+_OBJECT_COLLECTIVES = frozenset(
+    {"all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"}
+)
+
+
+def _is_bare_cuda(expr: ast.expr) -> bool:
+    return isinstance(expr, ast.Constant) and expr.value == "cuda"
+
+
+def _uses_current_device(fa: FileAnalysis, call: ast.Call) -> bool:
+    """`x.cuda()`, `torch.device("cuda")`, `.to("cuda")`, `device="cuda"`,
+    `torch.cuda.synchronize()`, a `pin_memory=True` loader (its thread opens a context on
+    the current device), or an nccl object collective."""
+    name = tail(call.func)
+    if name in _OBJECT_COLLECTIVES:
+        return True
+    if any(k.arg == "pin_memory" and is_constant(k.value, True) for k in call.keywords):
+        return True
+    if any(k.arg == "device" and _is_bare_cuda(k.value) for k in call.keywords):
+        return True
+    if name in ("device", "to") and call.args and _is_bare_cuda(call.args[0]):
+        return True
+    if call.args or any(k.arg in (None, "device") for k in call.keywords):
+        return False  # a device (or what may be one) is given
+    if name == "cuda":
+        return True
+    return name in _ON_CURRENT_DEVICE and (fa.imports.resolve(call.func) or "").startswith(
+        "torch.cuda."
+    )
+
+
+def _served_files(fa: FileAnalysis) -> list[FileAnalysis]:
+    """The init's file, the files that import it (directly or not), and all those
+    import: the code the ranks of this group run. A separate entry point of the same
+    folder (a test that starts its own group) is left out."""
+    peers = fa.peers or [fa]
+    importers = {fa.position}
+    while grown := {
+        p.position
+        for p in peers
+        if p.position not in importers and any(k.target in importers for k in p.links.values())
+    }:
+        importers |= grown
+    served = set(importers)
+    while grown := {
+        link.target
+        for p in peers
+        if p.position in served
+        for link in p.links.values()
+        if link.target not in served
+    }:
+        served |= grown
+    return [p for p in peers if p.position in served]
+
+
+def _hard_coded_node_size(peer: FileAnalysis, expr: ast.expr) -> bool:
+    """`8`, or a module constant bound to one (`GPUS_PER_NODE = 8`)."""
+    if isinstance(expr, ast.Name):
+        expr = next(
+            (
+                stmt.value
+                for stmt in peer.tree.body
+                if isinstance(stmt, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == expr.id for t in stmt.targets)
+            ),
+            expr,
+        )
+    return isinstance(expr, ast.Constant) and type(expr.value) is int and expr.value > 1
+
+
+def _per_node_guess(fa: FileAnalysis) -> ast.BinOp | None:
+    """`MPI.COMM_WORLD.Get_rank() % GPUS_PER_NODE` with `GPUS_PER_NODE = 8`: a GPU index
+    from the global rank modulo a fixed count, wrong on nodes with fewer GPUs."""
+    for peer in _served_files(fa):
+        for node in ast.walk(peer.tree):
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)):
+                continue
+            left = node.left.func if isinstance(node.left, ast.Call) else node.left
+            if tail(left) in _GLOBAL_RANK_NAMES and _hard_coded_node_size(peer, node.right):
+                return node
+    return None
+
+
+def _current_device_use(fa: FileAnalysis) -> tuple[ast.Call, int] | None:
+    """A call of the group's code that works on the current device (GPU 0 in every rank
+    unless something picks one), and the line it is on."""
+    for peer in _served_files(fa):
+        for site in peer.index.calls:
+            if _uses_current_device(peer, site.call):
+                return site.call, site.line
+    return None
+
+
+# The global rank as code names it (`dist.get_rank()`, mpi4py's `comm.Get_rank()`).
+_GLOBAL_RANK_NAMES = frozenset({"get_rank", "Get_rank", "rank", "mpi_rank", "global_rank"})
 _GLOBAL_RANK_ENV = frozenset({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
 
 
@@ -154,11 +264,26 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             continue  # `**kwargs` may hold the `device_id`
         if _chooses_device(fa, site):
             continue
+        # Where every tensor and DDP's `device_ids` name the rank's GPU, the current
+        # device is never used and its default (GPU 0) does no harm.
+        use = _current_device_use(fa)
+        if use is None:
+            guess = _per_node_guess(fa)
+            if guess is not None:
+                yield (
+                    call,
+                    f"nccl process group without `torch.cuda.set_device`, and the GPU index "
+                    f"`{show(guess)}` (line {guess.lineno}) is the global rank modulo a fixed "
+                    "count: on a node with fewer GPUs it names one that does not exist; use "
+                    "the local rank (`int(os.environ['LOCAL_RANK'])`) and `set_device` it",
+                )
+            continue
         yield (
             call,
-            "nccl process group without `torch.cuda.set_device(local_rank)` (or "
-            "`device_id=`), so every rank uses GPU 0 (out of memory or an nccl error); "
-            "call `torch.cuda.set_device(local_rank)` before `init_process_group`",
+            f"nccl process group without `torch.cuda.set_device(local_rank)` (or "
+            f"`device_id=`), yet `{show(use[0])}` (line {use[1]}) works on the current "
+            "device: GPU 0 in every rank (out of memory, a context on GPU 0, or an nccl "
+            "error); call `torch.cuda.set_device(local_rank)` before `init_process_group`",
         )
 
 
