@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from typing import cast
 
@@ -92,6 +93,37 @@ def _iterated_across_epochs(fa: FileAnalysis, sampler: Site) -> bool:
         if peer is not fa
         for loop, _ in _data_loops(peer)
     )
+
+
+# A word of a name that marks evaluation data: `val_set`, `valid_sampler`, `test_loader`,
+# `datasets["eval"]`, `def validate(...)`.
+_EVALUATION_WORD = re.compile(
+    r"(val|valid|validation|validate|test|testing|eval|evaluate|evaluation)"
+    r"(set|data|dataset|ds|loader|sampler)?"
+)
+
+
+def _names_evaluation(name: str | None) -> bool:
+    words = re.split(r"[^a-zA-Z]+|(?<=[a-z])(?=[A-Z])", name or "")
+    return any(_EVALUATION_WORD.fullmatch(word.lower()) for word in words)
+
+
+def _for_evaluation(fa: FileAnalysis, sampler: Site) -> bool:
+    """The sampler serves validation or testing, by the names of its dataset, itself, its
+    loader or its function: an evaluation visits every sample whatever their order, so
+    it needs no `set_epoch`."""
+    dataset = argument(sampler.call, 0, "dataset")
+    if isinstance(dataset, ast.Subscript) and isinstance(dataset.slice, ast.Constant):
+        dataset = dataset.slice
+    loader = _loader_of(fa, sampler)
+    names = [
+        dataset.value if isinstance(dataset, ast.Constant) else None,
+        tail(dataset) if isinstance(dataset, (ast.Name, ast.Attribute)) else None,
+        _assigned_name(fa, sampler.call, sampler.scope),
+        _assigned_name(fa, loader, sampler.scope) if loader is not None else None,
+        None if sampler.scope.is_module else sampler.scope.name,
+    ]
+    return any(isinstance(n, str) and _names_evaluation(n) for n in names)
 
 
 def _may_shuffle(fa: FileAnalysis, shuffle: ast.expr, site: Site) -> bool:
@@ -189,6 +221,8 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
         shuffle = argument(call, 3, "shuffle")
         if shuffle is not None and not _may_shuffle(fa, shuffle, site):
             continue  # shuffle=False needs no epoch; a variable we cannot judge
+        if _for_evaluation(fa, site):
+            continue
         if not _iterated_across_epochs(fa, site):
             continue
         yield (
