@@ -114,6 +114,93 @@ def _reads(expr: ast.expr, names: set[str]) -> bool:
     return False
 
 
+class _Agreement:
+    """Functions of the program whose result every rank shares, known by name like
+    `_AGREEING`: those that return what a collective gave (`dist.all_reduce(x); return
+    x.item()`), wholly or, for a returned tuple (`return loss, gn, overflow` with
+    `overflow` all-reduced), at some of its places. Worked out when a name is asked for."""
+
+    def __init__(self, fa: FileAnalysis) -> None:
+        self._fa = fa
+        self._whole: dict[str, bool] = dict.fromkeys((*_AGREEING, *COLLECTIVES), True)
+        self._places: dict[str, tuple[int, frozenset[int]]] = {}
+
+    def whole(self, name: str | None) -> bool:
+        if name is None:
+            return False
+        if name not in self._whole:
+            self._whole[name] = False  # a recursive helper agrees on nothing
+            self._whole[name] = self._work_out(name)
+        return self._whole[name]
+
+    def places(self, name: str | None) -> tuple[int, frozenset[int]]:
+        """The length of the tuple `name` returns and its places every rank shares."""
+        self.whole(name)
+        return self._places.get(name or "", (0, frozenset()))
+
+    def _work_out(self, name: str) -> bool:
+        functions = [
+            fn
+            for peer in self._fa.peers or [self._fa]
+            for fn in peer.index.functions
+            if fn.name == name and fn.returns
+        ]
+        if len(functions) != 1:
+            return False  # unknown, or several functions of that name
+        fn = functions[0]
+        agreed = self._agreed_in(fn)
+        if agreed is None:
+            return False
+        if all(self._agreed_expr(r, agreed) for r in fn.returns):
+            return True
+        tuples = [r.elts for r in fn.returns if isinstance(r, ast.Tuple)]
+        if len(tuples) == len(fn.returns) and len({len(t) for t in tuples}) == 1:
+            shared = frozenset(
+                i
+                for i in range(len(tuples[0]))
+                if all(self._agreed_expr(t[i], agreed) for t in tuples)
+            )
+            self._places[name] = (len(tuples[0]), shared)
+        return False
+
+    def _agreed_in(self, fn: Scope) -> set[str] | None:
+        """The names of `fn` that hold a value every rank shares (handed to a collective,
+        or bound to an agreed value); None when `fn` makes no collective."""
+        assert isinstance(fn.node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        own = [node for stmt in fn.node.body for node in _own_nodes(stmt)]
+        calls = [node for node in own if isinstance(node, ast.Call)]
+        if not any(tail(c.func) in COLLECTIVES or self.whole(tail(c.func)) for c in calls):
+            return None
+        found: set[str] = set()
+        for _ in range(2):  # `x = ...; dist.all_reduce(x); total = x * 2`
+            for node in own:
+                if isinstance(node, ast.Call) and tail(node.func) in COLLECTIVES:
+                    found.update(n for arg in node.args for n in _names(arg))
+                elif isinstance(node, ast.Assign) and self._agreed_expr(node.value, found):
+                    found.update(n for t in node.targets for n in _names(t))
+        return found
+
+    def _agreed_expr(self, expr: ast.expr, names: set[str]) -> bool:
+        """`expr` holds the same on every rank: built from constants, `names` and the
+        results of agreeing functions (`allreduce(int(overflow), op=MAX) > 0`, `x.item()`
+        of an all-reduced x)."""
+        if isinstance(expr, ast.Constant):
+            return True
+        if isinstance(expr, ast.Name):
+            return expr.id in names
+        if isinstance(expr, ast.Call):
+            if self.whole(tail(expr.func)):
+                return True
+            parts = [*expr.args, *(k.value for k in expr.keywords)]
+            if isinstance(expr.func, ast.Attribute):
+                parts.append(expr.func.value)
+            return all(self._agreed_expr(part, names) for part in parts)
+        if isinstance(expr, (ast.Compare, ast.BinOp, ast.BoolOp, ast.UnaryOp, ast.Attribute)):
+            children = [c for c in ast.iter_child_nodes(expr) if isinstance(c, ast.expr)]
+            return all(self._agreed_expr(child, names) for child in children)
+        return False
+
+
 class _PerRank:
     """Which variables of each function hold this rank's own values (see the module doc)."""
 
@@ -123,6 +210,7 @@ class _PerRank:
         self._models = self._trained_models()
         self._functions = {fn.name: fn for fn in fa.index.functions if not fn.is_method}
         self._memo: dict[Scope, set[str]] = {}
+        self._agreement = _Agreement(fa)
 
     def _trained_models(self) -> set[str]:
         """`model` and `self.net`: what the optimizer steps (`X.parameters()`) or DDP wraps."""
@@ -170,7 +258,12 @@ class _PerRank:
             return self._memo[scope]
         self._memo[scope] = set()  # a recursive function adds nothing
         facts = self._facts.get(scope, _ScopeFacts())
-        agreed = self.agreed(scope)
+        agreed = self.agreed(scope) | {
+            name
+            for names, value, _ in facts.bindings
+            if isinstance(value, ast.Call) and self._agreement.whole(tail(value.func))
+            for name in names
+        }
         tainted: set[str] = set()
         for _ in range(4):  # values handed on through a few assignments, loops included
             before = len(tainted)
@@ -179,9 +272,10 @@ class _PerRank:
                     per_rank = _iterates_data(self._fa, value, scope) or _reads(value, tainted)
                     if per_rank and _counts(value):
                         names = names[1:]  # `for i, batch in enumerate(loader)`: i is not
-                elif tail(value.func) in _AGREEING if isinstance(value, ast.Call) else False:
+                elif isinstance(value, ast.Call) and self._agreement.whole(tail(value.func)):
                     continue
                 else:
+                    names = self._unshared(names, value)
                     per_rank = (
                         _reads(value, tainted)
                         or self._runs_model(value)
@@ -193,6 +287,16 @@ class _PerRank:
                 break
         self._memo[scope] = tainted
         return tainted
+
+    def _unshared(self, names: list[str], value: ast.expr) -> list[str]:
+        """`loss, gn, overflow = backward(...)`: the names at the places of the helper's
+        returned tuple that are not shared by every rank."""
+        if not isinstance(value, ast.Call):
+            return names
+        length, shared = self._agreement.places(tail(value.func))
+        if len(names) != length:
+            return names
+        return [name for i, name in enumerate(names) if i not in shared]
 
     def agreed(self, scope: Scope) -> set[str]:
         """Names handed to a collective in `scope`: every rank holds the same value after."""
