@@ -333,6 +333,16 @@ def _iterates_data(fa: FileAnalysis, iterable: ast.expr, scope: Scope) -> bool:
     )
 
 
+def _data_ran_out(caught: ast.expr) -> bool:
+    """`except StopIteration`, `except DataloaderExhaustedError`: this rank's own iterator
+    ended, which need not happen on the same step on every rank (shards of a stream)."""
+    types = caught.elts if isinstance(caught, ast.Tuple) else [caught]
+    return any(
+        (name := tail(t)) is not None and (name == "StopIteration" or "Exhausted" in name)
+        for t in types
+    )
+
+
 @dataclass(frozen=True)
 class _Exit:
     node: ast.stmt  # the break, continue or return, or the assignment to the counter
@@ -355,6 +365,10 @@ def _exits(body: list[ast.stmt], tests: tuple[ast.expr, ...], inner: bool) -> It
             yield from _exits(stmt.body, tests, inner)
         elif isinstance(stmt, ast.Try):
             yield from _exits([*stmt.body, *stmt.orelse, *stmt.finalbody], tests, inner)
+            for handler in stmt.handlers:
+                if handler.type is not None and _data_ran_out(handler.type):
+                    # The `except` is the test: the rank's own iterator ended.
+                    yield from _exits(handler.body, (*tests, handler.type), inner)
 
 
 def _counter_moves(
@@ -448,6 +462,9 @@ def _why_per_rank(
     for test in reversed(tests):
         if fa.ranks.is_rank_condition(test, scope):
             return test, "a test of the rank (by its name)", False
+        if _data_ran_out(test):
+            # Equal shards (a DistributedSampler's) end on the same step: not proven.
+            return test, "this rank's own data ran out", False
     return None
 
 
