@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
 from ddpkit.check.callgraph import Context
-from ddpkit.check.index import Scope, Site
+from ddpkit.check.index import BODY, Scope, Site
 from ddpkit.check.names import tail
 from ddpkit.check.rules.base import Hit, Rule, argument, assignments_to, show
 from ddpkit.findings import Severity
@@ -121,9 +121,24 @@ def per_item_path(fa: FileAnalysis, target: ast.expr, site: Site) -> bool:
     )
 
 
+def _only_data_parallel(site: Site) -> bool:
+    """The write sits in `if isinstance(model, nn.DataParallel):`, a branch that a
+    DistributedDataParallel model never takes (DDP's saves go the other way)."""
+    return any(
+        guard.branch == BODY
+        and isinstance(guard.test, ast.Call)
+        and tail(guard.test.func) == "isinstance"
+        and len(guard.test.args) == 2
+        and tail(guard.test.args[1]) == "DataParallel"
+        for guard in site.guards
+    )
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     for site, target in checkpoint_writes(fa):
         if target is None or fa.in_launcher(site) or not fa.in_process_group(site.scope):
+            continue
+        if _only_data_parallel(site):
             continue
         condition = None
         if not fa.runs_on_every_rank(site):
