@@ -23,7 +23,7 @@ makes a function ALL nor GUARDED, it only keeps it from being GUARDED.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -64,6 +64,7 @@ class Edge:
     exact: bool  # False when matched by the method name alone
     divergence: Divergence | None = None  # the two ranks that guard tells apart
     proven: bool = False  # its rank test is a rank by data flow
+    rank_zero_first: bool = False  # in a `with torch_distributed_zero_first(rank):` block
 
 
 _Class = tuple[Unit, ClassInfo]
@@ -146,6 +147,7 @@ class CallGraph:
                     exact,
                     found,
                     found is not None and unit.proven.is_rank_condition(found.atom, ref.scope),
+                    id(ref.call_expr) in unit.index.calls_rank_zero_first,
                 )
                 for target in targets:
                     self._incoming[target].append(edge)
@@ -373,26 +375,9 @@ class CallGraph:
             stack.extend(outgoing.get(fn, ()))
         # GUARDED: the least set closed under "every mention (but its own recursive
         # calls) is sure and either rank-guarded or inside a GUARDED function".
-        guarded = set(guarded_roots - everywhere)
-        candidates = [
-            fn for fn in functions if fn not in everywhere and fn not in guarded and incoming[fn]
-        ]
-        changed = True
-        while changed and candidates:
-            changed = False
-            remaining = []
-            for fn in candidates:
-                edges = [e for e in incoming[fn] if e.owner is not fn]
-                if edges and all(
-                    e.exact
-                    and (e.guard is not None or (e.owner is not None and e.owner in guarded))
-                    for e in edges
-                ):
-                    guarded.add(fn)
-                    changed = True
-                else:
-                    remaining.append(fn)
-            candidates = remaining
+        guarded = self._closed(
+            guarded_roots - everywhere, everywhere, lambda e: e.guard is not None
+        )
         for fn in functions:
             if fn in everywhere:
                 self._context[fn] = Context.ALL
@@ -404,6 +389,39 @@ class CallGraph:
             else:
                 self._context[fn] = Context.UNKNOWN
 
+    def _closed(
+        self,
+        roots: set[Scope],
+        excluded: set[Scope],
+        leads: Callable[[Edge], bool],
+        counts: Callable[[Edge], bool] = lambda _: True,
+    ) -> set[Scope]:
+        """The least set holding `roots` and every function (but `excluded`) whose every
+        mention that `counts` (but its own recursive calls) is sure and either `leads`
+        there or sits inside a function of the set."""
+        found = set(roots)
+        candidates = [
+            fn
+            for fn, edges in self._incoming.items()
+            if edges and fn not in excluded and fn not in found
+        ]
+        changed = True
+        while changed and candidates:
+            changed = False
+            remaining = []
+            for fn in candidates:
+                edges = [e for e in self._incoming[fn] if e.owner is not fn and counts(e)]
+                if edges and all(
+                    e.exact and (leads(e) or (e.owner is not None and e.owner in found))
+                    for e in edges
+                ):
+                    found.add(fn)
+                    changed = True
+                else:
+                    remaining.append(fn)
+            candidates = remaining
+        return found
+
     # -- queries ------------------------------------------------------------------------
 
     def context(self, scope: Scope) -> Context:
@@ -411,6 +429,26 @@ class CallGraph:
         if scope.is_module:
             return Context.ALL
         return self._context.get(scope, Context.UNKNOWN)
+
+    @cached_property
+    def _rank_zero_first(self) -> set[Scope]:
+        # `Dataset.collate_fn` mentions the class but constructs nothing; a guess on a
+        # method name (`super().__init__()` of another class) is left out too, as the
+        # worst it does is keep a write from being reported.
+        receivers = {
+            id(r.receiver) for u in self._units for r in u.index.refs if r.receiver is not None
+        }
+        return self._closed(
+            set(),
+            set(),
+            lambda e: e.rank_zero_first,
+            lambda e: e.exact and id(e.ref.node) not in receivers,
+        )
+
+    def runs_rank_zero_first(self, scope: Scope) -> bool:
+        """Every call that leads to `scope` is made in a `with torch_distributed_zero_first(
+        rank):` block: rank 0 runs it to the end before the other ranks start it."""
+        return scope in self._rank_zero_first
 
     def witness(self, scope: Scope) -> Edge | None:
         """Why `scope` is GUARDED: a rank-guarded mention, else one in a GUARDED function

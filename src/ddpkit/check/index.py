@@ -117,6 +117,8 @@ class Index:
     seen_in_except: set[str] = field(default_factory=set)
     # The calls (by id) made inside `except` handlers: they run on errors only.
     calls_in_except: set[int] = field(default_factory=set)
+    # The calls (by id) made in a `with torch_distributed_zero_first(rank):` block.
+    calls_rank_zero_first: set[int] = field(default_factory=set)
 
 
 def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index:
@@ -141,6 +143,12 @@ def defined_names(tree: ast.Module) -> set[str]:
 
 
 _EXIT_CALLS = frozenset({"exit", "_exit", "quit"})
+# Context managers that let rank 0 run the block first while the other ranks wait at a
+# barrier, then let those run it (YOLO's `torch_distributed_zero_first`, transformers'
+# `main_process_first`): whatever the block writes is written by rank 0 before anyone reads.
+RANK_ZERO_FIRST = frozenset(
+    {"torch_distributed_zero_first", "main_process_first", "local_main_process_first"}
+)
 
 
 def exits(body: list[ast.stmt]) -> bool:
@@ -223,6 +231,7 @@ class _Indexer:
         self._loop_depth = 0
         # Where names read here go: `seen`, or `seen_in_except` inside a handler.
         self._seen = self.index.seen
+        self._rank_zero_first = False  # inside a `RANK_ZERO_FIRST` block
         self._class_name: str | None = None
         self._class_body: ClassInfo | None = None
         visit, visit_all = self._visit, self._visit_all
@@ -367,12 +376,13 @@ class _Indexer:
         self.index.functions.append(scope)
         if in_class is not None:
             in_class.methods[node.name] = scope
-        saved = (self._scope, self._guards, self._loop_depth, self._seen)
+        saved = (self._scope, self._guards, self._loop_depth, self._seen, self._rank_zero_first)
         self._scope, self._guards, self._loop_depth = scope, (), 0
         self._seen = self.index.seen  # a def inside `except` runs whenever it is called
+        self._rank_zero_first = False  # ... and so does a def inside a `with` block
         self._class_body = None
         self._body(node.body)
-        self._scope, self._guards, self._loop_depth, self._seen = saved
+        self._scope, self._guards, self._loop_depth, self._seen, self._rank_zero_first = saved
         self._class_body = in_class
 
     def _class(self, node: ast.ClassDef) -> None:
@@ -420,10 +430,15 @@ class _Indexer:
         self._body(node.orelse)
 
     def _with(self, node: ast.With | ast.AsyncWith) -> None:
+        saved = self._rank_zero_first
         for item in node.items:
             self._visit(item.context_expr)
             self._bind(item.optional_vars)
+            manager = item.context_expr
+            if isinstance(manager, ast.Call) and tail(manager.func) in RANK_ZERO_FIRST:
+                self._rank_zero_first = True
         self._body(node.body)
+        self._rank_zero_first = saved
 
     def _try(self, node: Any) -> None:
         self._body(node.body)
@@ -479,6 +494,8 @@ class _Indexer:
         self.index.calls.append(self._site(node))
         if self._seen is not self.index.seen:
             self.index.calls_in_except.add(id(node))
+        if self._rank_zero_first:
+            self.index.calls_rank_zero_first.add(id(node))
         func = node.func
         if isinstance(func, ast.Name):
             self._name(func, node)

@@ -134,11 +134,19 @@ def _only_data_parallel(site: Site) -> bool:
     )
 
 
+def _rank_zero_first(fa: FileAnalysis, site: Site) -> bool:
+    """The write runs in a `with torch_distributed_zero_first(rank):` block, directly or
+    through calls: rank 0 writes first and the other ranks find the file (a data cache)."""
+    return id(site.call) in fa.index.calls_rank_zero_first or fa.callgraph.runs_rank_zero_first(
+        site.scope
+    )
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     for site, target in checkpoint_writes(fa):
         if target is None or fa.in_launcher(site) or not fa.in_process_group(site.scope):
             continue
-        if _only_data_parallel(site):
+        if _only_data_parallel(site) or _rank_zero_first(fa, site):
             continue
         condition = None
         if not fa.runs_on_every_rank(site):
