@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
-from ddpkit.check.index import ClassInfo, Guard, Index, Ref, Scope, Site
+from ddpkit.check.index import BODY, ORELSE, ClassInfo, Guard, Index, Ref, Scope, Site
 from ddpkit.check.linking import Link
 from ddpkit.check.names import Imports, dotted, tail
 from ddpkit.check.paths import Divergence, PathModel
@@ -492,14 +492,41 @@ class CallGraph:
                 if edge.exact:
                     callers.setdefault(fn, []).append(edge.ref.scope)
                     called.setdefault(edge.ref.scope, []).append(fn)
-        starts = [
-            site.scope
+        starts = [site.scope for site in self._group_starts()]
+        return _closure(_closure(starts, callers), called)
+
+    def _group_starts(self) -> list[Site]:
+        return [
+            site
             for unit in self._units
             if "init_process_group" in unit.index.seen
             for site in unit.index.calls
             if tail(site.call.func) == "init_process_group"
         ]
-        return _closure(_closure(starts, callers), called)
+
+    @cached_property
+    def _group_flags(self) -> frozenset[str]:
+        """The flags that every way to `init_process_group` tests (`if cfg.enable_fsdp:
+        setup()`, or in `setup` itself): with one of them unset, no group is started."""
+        found: frozenset[str] | None = None
+        for site in self._group_starts():
+            flags = _flags(site.guards)
+            if not flags and not site.scope.is_module:
+                callers = [_flags(e.ref.guards) for e in self._incoming.get(site.scope, ())]
+                flags = frozenset.intersection(*callers) if callers else frozenset()
+            found = flags if found is None else found & flags
+        return found or frozenset()
+
+    @cached_property
+    def _without_group(self) -> set[Scope]:
+        flags = self._group_flags
+        return self._closed(set(), set(), lambda e: _unset(e.ref.guards, flags)) if flags else set()
+
+    def runs_without_group(self, site: Site) -> bool:
+        """`site` runs only when a flag that starts the process group is unset
+        (`if not cfg.enable_fsdp: save(model)`, or in a function called only so): then
+        the program is a single process."""
+        return _unset(site.guards, self._group_flags) or site.scope in self._without_group
 
     def _reach(self) -> set[Scope]:
         outgoing: dict[Scope | None, list[Scope]] = {}
@@ -569,6 +596,25 @@ class CallGraph:
                     in_loop.add(fn)
                     changed = True
         return in_loop
+
+
+def _flags(guards: Iterable[Guard]) -> frozenset[str]:
+    """The plain flags (`cfg.enable_fsdp`) that `guards` need to be true."""
+    found = (dotted(g.test) for g in guards if g.branch == BODY)
+    return frozenset(name for name in found if name is not None)
+
+
+def _unset(guards: Iterable[Guard], flags: frozenset[str]) -> bool:
+    """One of `guards` needs one of `flags` to be false."""
+    for guard in guards:
+        test = guard.test
+        if guard.branch == BODY and isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            test = test.operand
+        elif guard.branch != ORELSE:
+            continue
+        if dotted(test) in flags:
+            return True
+    return False
 
 
 def _closure(starts: Iterable[Scope], step: Mapping[Scope | None, list[Scope]]) -> set[Scope]:

@@ -148,6 +148,8 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             continue
         if _only_data_parallel(site) or _rank_zero_first(fa, site):
             continue
+        if fa.callgraph.runs_without_group(site):
+            continue  # `if not cfg.enable_fsdp: save(...)`: the run without a group
         condition = None
         if not fa.runs_on_every_rank(site):
             condition = _writes_everywhere(fa, site)
