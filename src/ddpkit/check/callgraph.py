@@ -461,7 +461,15 @@ class CallGraph:
 
     def calls_of(self, fn: Scope) -> list[ast.Call]:
         """The calls, in any checked file, known for sure to call `fn`."""
-        return [e.ref.call_expr for e in self._incoming.get(fn, ()) if e.exact and e.ref.call_expr]
+        return [call for call, _ in self.callers_of(fn)]
+
+    def callers_of(self, fn: Scope) -> list[tuple[ast.Call, Scope]]:
+        """The calls known for sure to call `fn`, each with the scope it sits in."""
+        return [
+            (e.ref.call_expr, e.ref.scope)
+            for e in self._incoming.get(fn, ())
+            if e.exact and e.ref.call_expr
+        ]
 
     def callees(self, unit: Unit, ref: Ref) -> list[Scope]:
         """The functions a mention in `unit` surely stands for (none when it is a guess)."""

@@ -14,8 +14,10 @@ from ddpkit.check.rules.base import (
     Rule,
     argument,
     assignments_to,
+    default_of,
     has_unknown_arguments,
     option_dest,
+    passed_for,
     show,
 )
 from ddpkit.findings import Severity
@@ -65,47 +67,50 @@ def _url_text(expr: ast.expr) -> str | None:
     return None
 
 
-def _parameter_default(fn: ast.AST, name: str) -> tuple[ast.expr, int | None] | None:
-    """The default of parameter `name` of `fn`, with its position (None: keyword-only)."""
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    args = fn.args
-    positional = [*args.posonlyargs, *args.args]
-    first_default = len(positional) - len(args.defaults)
-    for i, arg in enumerate(positional):
-        if arg.arg == name:
-            return (args.defaults[i - first_default], i) if i >= first_default else None
-    for arg, default in zip(args.kwonlyargs, args.kw_defaults, strict=True):
-        if arg.arg == name:
-            return (default, None) if default is not None else None
+def _option_port(fa: FileAnalysis, name: str) -> ast.expr | None:
+    """The fixed port that the program's option `--name` defaults to (argparse), else None."""
+    for peer in fa.peers or [fa]:
+        for option in peer.calls("add_argument"):
+            default = argument(option.call, None, "default")
+            if default is not None and option_dest(option.call) == name and _constant_port(default):
+                return default
     return None
 
 
-def _passes(call: ast.Call, position: int | None, name: str) -> bool:
-    if has_unknown_arguments(call) or any(kw.arg == name for kw in call.keywords):
-        return True
-    return position is not None and position < len(call.args)
-
-
-def _defaulted_port(fa: FileAnalysis, value: ast.expr, scope: Scope) -> str | None:
-    """`str(port)` where `port` is a parameter whose fixed default a call leaves in place
-    (`init_distributed(port=40112)` called as `init_distributed()`): why, else None."""
-    value = _unstr(value)
-    if not isinstance(value, ast.Name) or value.id not in scope.params:
+def _port_source(fa: FileAnalysis, expr: ast.expr, scope: Scope, depth: int = 0) -> str | None:
+    """Why the port `expr` (code in `scope`) is a fixed one, in words, else None: it is an
+    option with a fixed default (`args.port`), or a parameter that a call leaves at its
+    fixed default, or is handed a fixed port, followed up through the callers (`_join(port)`
+    called by `join(port=None)`, called by `run(port=29500)`)."""
+    expr = _unstr(expr)
+    if isinstance(expr, ast.Attribute):
+        option = _option_port(fa, expr.attr)
+        return None if option is None else f"the option `--{expr.attr}` defaults to {show(option)}"
+    if not isinstance(expr, ast.Name) or expr.id not in scope.params or depth > 3:
         return None
-    found = _parameter_default(scope.node, value.id)
-    if found is None or not _constant_port(found[0]):
+    name = expr.id
+    default = default_of(scope, name)
+    fixed = default if default is not None and _constant_port(default) else None
+    callers = fa.callgraph.callers_of(scope)
+    for call, caller in callers:
+        if has_unknown_arguments(call):
+            continue  # `f(**kwargs)` may pass any port
+        passed = passed_for(scope, call, name)
+        where = f"`{show(call.func)}(...)` (line {call.lineno})"
+        if passed is None and fixed is not None:
+            return f"{where} leaves `{name}` at its default {show(fixed)}"
+        if passed is not None and _constant_port(passed):
+            return f"{where} passes {show(passed)} for `{name}`"
+        if passed is not None and (why := _port_source(fa, passed, caller, depth + 1)):
+            return why
+    if callers:
         return None
-    default, position = found
-    if position is not None and scope.is_method:
-        position -= 1  # `self` is not passed in the call
-    for call in fa.callgraph.calls_of(scope):
-        if not _passes(call, position, value.id):
-            return (
-                f"MASTER_PORT is set from `{value.id}`, which `{show(call.func)}(...)` leaves "
-                f"at its default {show(default)}: {_FIX}"
-            )
-    return None
+    # Nothing here surely calls it: a command-line wrapper (`fire.Fire(run)`) fills the
+    # parameters, or the script picks the function by name (`getattr(utils, "init_" + x)`).
+    if depth > 0 and fixed is not None:
+        return f"nothing here calls `{scope.name}`, whose `{name}` defaults to {show(fixed)}"
+    option = _option_port(fa, name)
+    return None if option is None else f"the option `--{name}` defaults to {show(option)}"
 
 
 def _master_port_values(fa: FileAnalysis) -> Iterator[tuple[ast.expr, Scope]]:
@@ -153,8 +158,8 @@ def _environ_ports(fa: FileAnalysis) -> Iterator[Hit]:
                 value,
                 f"MASTER_PORT falls back to {show(fallback)} when the environment has none: {_FIX}",
             )
-        elif not scope.is_module and (why := _defaulted_port(fa, value, scope)) is not None:
-            yield value, why
+        elif not scope.is_module and (why := _port_source(fa, value, scope)) is not None:
+            yield value, f"MASTER_PORT is set from `{show(_unstr(value))}`, and {why}: {_FIX}"
 
 
 def _has_port(expr: ast.expr) -> bool:
@@ -206,6 +211,60 @@ def _stored_urls(fa: FileAnalysis, url: ast.Name | ast.Attribute, site: Site) ->
             )
 
 
+def _url_port_variable(url: ast.expr) -> ast.Name | None:
+    """`port` of `f"tcp://{host}:{port}"`."""
+    text = _url_text(url)
+    if not isinstance(url, ast.JoinedStr) or text is None or "tcp://" not in text:
+        return None
+    for before, part in zip(url.values, url.values[1:], strict=False):
+        if (
+            isinstance(before, ast.Constant)
+            and str(before.value).endswith(":")
+            and isinstance(part, ast.FormattedValue)
+            and isinstance(part.value, ast.Name)
+        ):
+            return part.value
+    return None
+
+
+def _variable_port(fa: FileAnalysis, port: ast.Name, site: Site) -> Iterator[Hit]:
+    """The URL's port variable is a literal or falls back to one (`port =
+    os.environ.get("MASTER_PORT", "29500")`), or is a parameter or option with a fixed
+    default."""
+    used = f"the port of the init_method URL (line {site.line})"
+    for a in assignments_to(fa, port.id, site.scope):
+        fallback = _fallback(a.value)
+        if _constant_port(a.value):
+            yield a.value, f"{used} is hard-coded to {show(a.value)}: {_FIX}"
+        elif fallback is not None and _constant_port(fallback):
+            yield (
+                a.value,
+                f"{used} falls back to {show(fallback)} when the environment has none: {_FIX}",
+            )
+    why = _port_source(fa, port, site.scope)
+    if why is not None:
+        yield site.call, f"{used} is `{port.id}`, and {why}: {_FIX}"
+
+
+def _config_urls(fa: FileAnalysis) -> Iterator[Hit]:
+    """`HParams(dist_url="tcp://localhost:54321")` where a file of the program starts the
+    group with `init_method=hparams.dist_url`: a settings object built with a fixed URL."""
+    used = {
+        url.attr
+        for peer in fa.peers or [fa]
+        for site in peer.process_group_inits
+        if isinstance(url := argument(site.call, 1, "init_method"), ast.Attribute)
+    }
+    for site in fa.index.calls:
+        for kw in site.call.keywords:
+            if kw.arg in used and _has_port(kw.value) and not _names_another_machine(kw.value):
+                yield (
+                    kw.value,
+                    f"`{kw.arg}`, the init_method of the process group, is the URL "
+                    f"{show(kw.value)} with a fixed port: {_FIX}",
+                )
+
+
 def _url_ports(fa: FileAnalysis) -> Iterator[Hit]:
     reported: set[int] = set()
     for site in fa.process_group_inits:
@@ -215,6 +274,8 @@ def _url_ports(fa: FileAnalysis) -> Iterator[Hit]:
             continue
         if _has_port(url):
             yield url, f"the init_method URL {show(url)} has a fixed port: {_FIX}"
+        elif (variable := _url_port_variable(url)) is not None:
+            yield from _variable_port(fa, variable, site)
         elif isinstance(url, (ast.Name, ast.Attribute)):
             for hit in _stored_urls(fa, url, site):
                 if id(hit[0]) not in reported:
@@ -230,6 +291,7 @@ def _url_ports(fa: FileAnalysis) -> Iterator[Hit]:
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     yield from _environ_ports(fa)
     yield from _url_ports(fa)
+    yield from _config_urls(fa)
 
 
 RULE = Rule(
