@@ -70,3 +70,9 @@ def test_tutorial_multigpu_yields_only_the_hard_coded_port() -> None:
 
 def test_tutorial_multigpu_torchrun_is_clean() -> None:
     assert check_file(FIXTURES / "multigpu_torchrun.py") == []
+
+
+def test_a_stop_flag_nothing_sets_is_a_warning_under_a_rank_test() -> None:
+    # Only a user's hook could set `stop_training`, so the hang is not proven.
+    (found,) = check_file(FIXTURES / "ddp113_stop_flag_read_on_main_rank.py")
+    assert found.severity.value == "warning"

@@ -448,12 +448,30 @@ def _scopes(fa: FileAnalysis) -> dict[Scope, _ScopeFacts]:
     return facts
 
 
+def _never_raised(fa: FileAnalysis, test: ast.expr) -> bool:
+    """`test` is an attribute (`callbacks.stop_training`) that the program only ever sets
+    to False or None, if at all."""
+    if not isinstance(test, ast.Attribute):
+        return False
+    return all(
+        isinstance(a.value, ast.Constant) and a.value.value in (False, None)
+        for peer in fa.peers or [fa]
+        for a in peer.index.assignments
+        if isinstance(a.target, ast.Attribute) and a.target.attr == test.attr
+    )
+
+
 def _why_per_rank(
     fa: FileAnalysis, tests: tuple[ast.expr, ...], scope: Scope, per_rank: set[str]
 ) -> tuple[ast.expr, str, bool] | None:
     """The condition that differs between ranks, why, and whether that is proven."""
     for test in reversed(tests):
         if fa.proven.is_rank_condition(test, scope):
+            if test is not tests[-1] and _never_raised(fa, tests[-1]):
+                # `if rank == 0: ... if callbacks.stop_training: return`: the exit
+                # needs a hook from elsewhere to set the flag.
+                flag = show(tests[-1], 40)
+                return test, f"a test of the rank, then `{flag}`, which nothing here sets", False
             return test, "a test of the rank", True
     for test in reversed(tests):
         read = sorted(n.id for n in ast.walk(test) if isinstance(n, ast.Name) and n.id in per_rank)
