@@ -230,9 +230,12 @@ class PathModel:
 
     def holds(self, guards: tuple[Guard, ...], env: dict[str, bool]) -> bool | None:
         """Whether code behind `guards` runs on a rank whose tests take the values `env`;
-        None when a test of `guards` is not in `env` (its value is not known)."""
+        None when that depends on a test not in `env` (`if step % 10 == 0 and rank == 0:`
+        never runs where `rank == 0` is false, whatever the step)."""
         atoms = Atoms()
         formula = conjunction(atoms, guards)
-        if any(k not in env for k in atoms.nodes):
+        unknown = [k for k in atoms.nodes if k not in env]
+        if len(unknown) > _MAX_ATOMS:
             return None
-        return value_of(formula, env)
+        values = {value_of(formula, {**env, **rest}) for rest in settings(unknown)}
+        return values.pop() if len(values) == 1 else None

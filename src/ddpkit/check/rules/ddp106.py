@@ -39,6 +39,8 @@ _DCP = (
 
 
 _COLLECTIVE_NAMES = COLLECTIVES | MPI_COLLECTIVES
+# What a torchmetrics metric's `compute()` makes across the group.
+_METRIC_SYNC = "all_gather"
 
 
 def _on_subgroup(call: ast.Call) -> bool:
@@ -201,11 +203,40 @@ def _balanced(fa: FileAnalysis, site: Site, member: str, found: Divergence) -> b
         # Unequal counts hang the side that makes more calls: point at that side.
         return reach <= skip
     # A partner under a rank test of its own that the site's tests cannot decide:
-    # the user is pairing them up on purpose; trust it.
+    # the user is pairing them up on purpose; trust it. (One that the skipping rank never
+    # runs, under the same `rank == 0`, pairs with nothing.)
     return any(
-        event is not site and fa.paths.divergence(event.guards, event.scope) is not None
+        event is not site
+        and fa.paths.divergence(event.guards, event.scope) is not None
+        and fa.paths.holds(event.guards, found.skip) is not False
         for event, _ in events
     )
+
+
+def _is_synced_metric(fa: FileAnalysis, expr: ast.expr, scope: Scope) -> bool:
+    """`acc` after `acc = Accuracy(...)` from torchmetrics (perhaps `.to(device)`, then
+    perhaps `acc = acc.to(rank)`), built without `sync_on_compute=False`: its `compute()`
+    gathers every rank's state once the process group is up."""
+    if not isinstance(expr, ast.Name):
+        return False
+    made = False
+    for a in assignments_to(fa, expr.id, scope):
+        value = a.value
+        # `Accuracy(...).to(device)`: the metric the chain starts from.
+        while (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Attribute)
+            and isinstance(value.func.value, ast.Call)
+        ):
+            value = value.func.value
+        if not isinstance(value, ast.Call):
+            return False
+        if (fa.imports.resolve(value.func) or "").startswith("torchmetrics."):
+            sync = argument(value, None, "sync_on_compute")
+            made = not (isinstance(sync, ast.Constant) and sync.value is False)
+        elif not (isinstance(value.func, ast.Attribute) and tail(value.func.value) == expr.id):
+            return False  # bound to something else too
+    return made
 
 
 def _collectives(fa: FileAnalysis) -> list[tuple[Site, str]]:
@@ -215,6 +246,12 @@ def _collectives(fa: FileAnalysis) -> list[tuple[Site, str]]:
         for name in _COLLECTIVE_NAMES
         for site in fa.calls(name)
         if (member := collective(fa.imports, site.call)) is not None
+    ]
+    found += [
+        (site, _METRIC_SYNC)
+        for site in fa.calls("compute")
+        if isinstance(func := site.call.func, ast.Attribute)
+        and _is_synced_metric(fa, func.value, site.scope)
     ]
     return found + fa.resolved_calls(*_DCP)
 
@@ -254,6 +291,8 @@ def _guarded_collectives(fa: FileAnalysis) -> Iterator[Hit]:
         if why is None:
             continue
         name = f"`{show(call.func)}()`"
+        if tail(call.func) == "compute":
+            name += " (a torchmetrics metric: it all-gathers its state from every rank)"
         if why.via is None:
             assert why.guard is not None and why.divergence is not None
             if _balanced(fa, site, member, why.divergence):
