@@ -67,6 +67,14 @@ _PLAIN_RESULTS = frozenset(
     {"len", "int", "float", "str", "bool", "round", "item", "tolist", "numpy", "astype"}
     | {"parse_args", "range"}
 )
+# Random number generator states: Python's and numpy's, and torch's (a CPU tensor, for
+# the CUDA generator too).
+_RNG_STATES = frozenset({"getstate", "get_state", "get_rng_state"})
+# What an annotation may name when the value holds only plain Python data.
+_PLAIN_TYPES = frozenset(
+    {"int", "float", "str", "bool", "bytes", "Path", "Optional", "Union"}
+    | {"list", "List", "dict", "Dict", "tuple", "Tuple", "set", "Set", "Sequence"}
+)
 # torch's constructors, which make CPU tensors unless given a device.
 _CPU_CONSTRUCTORS = frozenset(
     {"tensor", "as_tensor", "from_numpy", "zeros", "ones", "arange", "empty", "full"}
@@ -89,6 +97,8 @@ def _no_gpu_tensor(fa: FileAnalysis, obj: ast.expr, scope: Scope, depth: int = 0
         return _bound_to_no_gpu_tensor(fa, obj.id, scope, depth)
     if isinstance(obj, ast.Call):
         return _call_makes_no_gpu_tensor(fa, obj, scope, depth)
+    if isinstance(obj, ast.Attribute):
+        return _plain_field(fa, obj, scope)
     if isinstance(obj, ast.Dict):
         parts = list(obj.values)
     elif isinstance(obj, (ast.List, ast.Tuple, ast.Set)):
@@ -99,6 +109,10 @@ def _no_gpu_tensor(fa: FileAnalysis, obj: ast.expr, scope: Scope, depth: int = 0
         parts = [obj.elt]
     elif isinstance(obj, ast.BinOp):
         parts = [obj.left, obj.right]
+    elif isinstance(obj, ast.BoolOp):
+        parts = list(obj.values)
+    elif isinstance(obj, ast.IfExp):
+        parts = [obj.body, obj.orelse]
     else:
         return False
     return all(p is not None and _no_gpu_tensor(fa, p, scope, depth) for p in parts)
@@ -111,12 +125,63 @@ def _call_makes_no_gpu_tensor(fa: FileAnalysis, call: ast.Call, scope: Scope, de
         return isinstance(device, ast.Constant) and device.value == "cpu"
     if name == "vars":
         return bool(call.args) and _no_gpu_tensor(fa, call.args[0], scope, depth)
-    if name in _PLAIN_RESULTS or name.endswith("cpu"):
+    if name in _PLAIN_RESULTS or name in _RNG_STATES or name.endswith("cpu"):
         return True
     resolved = fa.imports.resolve(call.func) or ""
     if name in _CPU_CONSTRUCTORS and resolved.startswith("torch."):
         return argument(call, None, "device") is None
-    return resolved.startswith("numpy.")
+    return resolved.startswith("numpy.") or _returns_no_gpu_tensor(fa, call, depth)
+
+
+def _is_plain(annotation: ast.expr | None) -> bool:
+    """An annotation of plain Python data: `int`, `int | None`, `typing.List[Path]`."""
+    if annotation is None:
+        return False
+    nodes = list(ast.walk(annotation))
+    modules = {id(n.value) for n in nodes if isinstance(n, ast.Attribute)}  # `typing.`
+    return all(
+        tail(n) in _PLAIN_TYPES
+        if isinstance(n, (ast.Name, ast.Attribute))
+        else not isinstance(n, ast.Constant) or n.value is None
+        for n in nodes
+        if id(n) not in modules
+    )
+
+
+def _plain_field(fa: FileAnalysis, obj: ast.Attribute, scope: Scope) -> bool:
+    """`self.step` where the class declares `step: int = 0` (a dataclass field)."""
+    info = fa.index.classes.get(scope.class_name or "")
+    if info is None or not (isinstance(obj.value, ast.Name) and obj.value.id == "self"):
+        return False
+    return any(
+        isinstance(stmt, ast.AnnAssign)
+        and isinstance(stmt.target, ast.Name)
+        and stmt.target.id == obj.attr
+        and _is_plain(stmt.annotation)
+        for stmt in info.node.body
+    )
+
+
+def _home(fa: FileAnalysis, fn: Scope) -> FileAnalysis | None:
+    return next((peer for peer in fa.peers or [fa] if fn in peer.index.functions), None)
+
+
+def _returns_no_gpu_tensor(fa: FileAnalysis, call: ast.Call, depth: int) -> bool:
+    """A call of the program's own function that says it returns plain data (`-> int`), or
+    whose every `return` holds no GPU tensor (`return {"step": self.step, ...}`)."""
+    fns = [fn for ref in fa.index.refs if ref.call_expr is call for fn in fa.callees(ref)]
+    homes = [(fn, _home(fa, fn)) for fn in fns]
+    return bool(homes) and all(
+        home is not None
+        and isinstance(fn.node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (
+            _is_plain(fn.node.returns)
+            or (
+                bool(fn.returns) and all(_no_gpu_tensor(home, r, fn, depth + 1) for r in fn.returns)
+            )
+        )
+        for fn, home in homes
+    )
 
 
 def _bound_to_no_gpu_tensor(fa: FileAnalysis, name: str, scope: Scope, depth: int) -> bool:
@@ -143,7 +208,27 @@ def _bound_to_no_gpu_tensor(fa: FileAnalysis, name: str, scope: Scope, depth: in
             return False  # a part of each item (`for i, x in enumerate(loader)`)
         elif isinstance(node, ast.For) and _replaces_each_value(fa, node, name, scope, depth):
             return True
+    if not values and name in scope.params:
+        return _passed_no_gpu_tensor(fa, scope, name, depth)
     return bool(values) and all(_no_gpu_tensor(fa, v, scope, depth + 1) for v in values)
+
+
+def _passed_no_gpu_tensor(fa: FileAnalysis, fn: Scope, name: str, depth: int) -> bool:
+    """Every call in sight of a function named like `fn` passes no GPU tensor for its
+    parameter `name` (calls that give it nothing and have no default are of another
+    function of that name: `Trainer.save_checkpoint(kind)` beside a checkpointer's)."""
+    passed: list[tuple[FileAnalysis, ast.expr, Scope]] = []
+    for peer in fa.peers or [fa]:
+        for ref in peer.index.refs:
+            call = ref.call_expr
+            if call is None or ref.name != fn.name:
+                continue
+            value = passed_for(fn, call, name)
+            if value is None and (has_unknown_arguments(call) or default_of(fn, name) is not None):
+                return False
+            if value is not None:
+                passed.append((peer, value, ref.scope))
+    return bool(passed) and all(_no_gpu_tensor(p, v, s, depth + 1) for p, v, s in passed)
 
 
 def _replaces_each_value(
@@ -173,13 +258,28 @@ def _in_dataset(fa: FileAnalysis, scope: Scope) -> bool:
 
 
 def _saves(fa: FileAnalysis) -> list[_Save]:
-    """The checkpoint writes of the program (this file and the files linked to it)."""
-    return [
-        (peer, site, argument(site.call, 0, "obj"), target)
-        for peer in fa.peers or [fa]
-        for site, target in checkpoint_writes(peer)
-        if target is not None
-    ]
+    """The checkpoint writes of the program (this file and the files linked to it), and
+    the calls of its save helpers: functions that hand a parameter to `torch.save`
+    (`save_state_dict(folder, "train.pt", trainer_state)`)."""
+    peers = fa.peers or [fa]
+    saves: list[_Save] = []
+    helpers: dict[Scope, str] = {}
+    for peer in peers:
+        for site, target in checkpoint_writes(peer):
+            obj = argument(site.call, 0, "obj")
+            if target is not None:
+                saves.append((peer, site, obj, target))
+            if isinstance(obj, ast.Name) and obj.id in site.scope.params:
+                helpers[site.scope] = obj.id
+    for peer in peers if helpers else ():
+        for ref in peer.index.refs:
+            call = ref.call_expr
+            for fn in peer.callees(ref) if call is not None else ():
+                if call is not None and fn in helpers:
+                    obj = passed_for(fn, call, helpers[fn])
+                    site = Site(call, ref.scope, ref.guards, ref.loop_depth)
+                    saves.append((peer, site, obj, _helper_file(call, obj)))
+    return saves
 
 
 def _writers(fa: FileAnalysis, site: Site, path: ast.expr, saves: list[_Save]) -> list[_Save]:
@@ -202,12 +302,20 @@ def _writers(fa: FileAnalysis, site: Site, path: ast.expr, saves: list[_Save]) -
     return [s for s in own if s[1].scope.name == counterpart] or own
 
 
+def _helper_file(call: ast.Call, obj: ast.expr | None = None) -> ast.expr:
+    """The file that a call of a load or save helper of the program names: its arguments
+    (but `obj`, what a save writes) taken together (`folder, "train.pt"`)."""
+    return ast.Tuple([a for a in call.args if a is not obj], ast.Load())
+
+
 def _reloads_own_save(fa: FileAnalysis, site: Site, saves: list[_Save]) -> bool:
     """The program itself wrote the loaded file, so its tensors come back where they were
     saved from: the CPU when no write can hold a GPU tensor (moved there first, numpy, a
     dict of numbers, a dataset's cache), or this same rank's own GPU when the path names
     the rank (`f"queue{rank}.pth"`)."""
     path = argument(site.call, 0, "f")
+    if fa.imports.resolves_to(site.call.func, "torch", LOADERS) is None:
+        path = _helper_file(site.call)
     if path is None:
         return False
     writers = _writers(fa, site, path, saves)
