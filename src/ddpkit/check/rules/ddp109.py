@@ -185,17 +185,54 @@ def _hard_coded_node_size(peer: FileAnalysis, expr: ast.expr) -> bool:
     return isinstance(expr, ast.Constant) and type(expr.value) is int and expr.value > 1
 
 
-def _per_node_guess(fa: FileAnalysis) -> ast.BinOp | None:
+def _is_per_node_guess(peer: FileAnalysis, node: ast.AST) -> bool:
     """`MPI.COMM_WORLD.Get_rank() % GPUS_PER_NODE` with `GPUS_PER_NODE = 8`: a GPU index
     from the global rank modulo a fixed count, wrong on nodes with fewer GPUs."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)):
+        return False
+    left = node.left.func if isinstance(node.left, ast.Call) else node.left
+    return tail(left) in _GLOBAL_RANK_NAMES and _hard_coded_node_size(peer, node.right)
+
+
+def _per_node_guess(fa: FileAnalysis) -> ast.BinOp | None:
+    """The first per-node guess (see `_is_per_node_guess`) in the group's code."""
     for peer in _served_files(fa):
         for node in ast.walk(peer.tree):
-            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod)):
-                continue
-            left = node.left.func if isinstance(node.left, ast.Call) else node.left
-            if tail(left) in _GLOBAL_RANK_NAMES and _hard_coded_node_size(peer, node.right):
+            if isinstance(node, ast.BinOp) and _is_per_node_guess(peer, node):
                 return node
     return None
+
+
+def _guessed_device(fa: FileAnalysis, expr: ast.expr, scope: Scope) -> ast.expr | None:
+    """`rank % 8`, given as is or through a variable that `scope` only assigns it."""
+    if not isinstance(expr, ast.Name):
+        return expr if _is_per_node_guess(fa, expr) else None
+    values = [a.value for a in assignments_to(fa, expr.id, scope, module=False)]
+    if values and all(_is_per_node_guess(fa, v) for v in values):
+        return values[0]
+    return None
+
+
+def _per_node_devices(fa: FileAnalysis) -> Iterator[Hit]:
+    """`set_device(rank % 8)` or DDP's `device_ids=[rank % 8]` in the ranks' code."""
+    chosen = [(site, site.call.args[0]) for site in fa.calls("set_device") if site.call.args]
+    for site in fa.ddp_wraps:
+        ids = argument(site.call, 1, "device_ids")
+        if isinstance(ids, (ast.List, ast.Tuple)) and len(ids.elts) == 1:
+            chosen.append((site, ids.elts[0]))
+    reported: set[tuple[Scope, str]] = set()  # one finding per function and call kind
+    for site, device in chosen:
+        guess = _guessed_device(fa, device, site.scope)
+        kind = (site.scope, show(site.call.func))
+        if guess is not None and kind not in reported and fa.in_process_group(site.scope):
+            reported.add(kind)
+            yield (
+                site.call,
+                f"the device `{show(device)}` is `{show(guess)}` (line {guess.lineno}), the "
+                "global rank modulo a fixed GPU count: on a node with fewer GPUs it names one "
+                "that does not exist (rank 4 asks for cuda:4 on a 4-GPU node); use the local "
+                "rank (`int(os.environ['LOCAL_RANK'])`)",
+            )
 
 
 def _current_device_use(fa: FileAnalysis) -> tuple[ast.Call, int] | None:
@@ -209,7 +246,9 @@ def _current_device_use(fa: FileAnalysis) -> tuple[ast.Call, int] | None:
 
 
 # The global rank as code names it (`dist.get_rank()`, mpi4py's `comm.Get_rank()`).
-_GLOBAL_RANK_NAMES = frozenset({"get_rank", "Get_rank", "rank", "mpi_rank", "global_rank"})
+_GLOBAL_RANK_NAMES = frozenset(
+    {"get_rank", "Get_rank", "rank", "mpi_rank", "global_rank", "world_rank"}
+)
 _GLOBAL_RANK_ENV = frozenset({"RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"})
 
 
@@ -247,6 +286,7 @@ def _global_rank_devices(fa: FileAnalysis, site: Site) -> ast.Call | None:
 
 
 def check(fa: FileAnalysis) -> Iterator[Hit]:
+    yield from _per_node_devices(fa)
     for site in fa.process_group_inits:
         call = site.call
         setter = _global_rank_devices(fa, site)
