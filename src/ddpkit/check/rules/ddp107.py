@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 
 from ddpkit.check.analysis import FileAnalysis
@@ -282,6 +283,17 @@ def _saves(fa: FileAnalysis) -> list[_Save]:
     return saves
 
 
+def _same_file(written: tuple[str, str] | None, read: tuple[str, str]) -> bool:
+    """The keys name one file; a written name built around a value (`f"train/rank{r}.pt"`)
+    also names each file it can make (`"train/rank0.pt"`)."""
+    if written == read:
+        return True
+    if written is None or written[0] != "text" or read[0] != "text" or "\0" in read[1]:
+        return False
+    pattern = ".+".join(re.escape(part) for part in written[1].split("\0"))
+    return re.fullmatch(pattern, read[1]) is not None
+
+
 def _writers(fa: FileAnalysis, site: Site, path: ast.expr, saves: list[_Save]) -> list[_Save]:
     """The saves in sight that wrote the file a load reads: those of the same path (a
     variable names the same file only in the same function); else, for a load in a
@@ -292,7 +304,7 @@ def _writers(fa: FileAnalysis, site: Site, path: ast.expr, saves: list[_Save]) -
         save
         for save in saves
         if key is not None
-        and _path_key(save[3]) == key
+        and _same_file(_path_key(save[3]), key)
         and (key[0] == "text" or save[1].scope is site.scope)
     ]
     if same or site.scope.class_name is None:
@@ -329,6 +341,25 @@ def _reloads_own_save(fa: FileAnalysis, site: Site, saves: list[_Save]) -> bool:
     )
 
 
+def _falls_back_from_own_save(
+    fa: FileAnalysis, site: Site, loads: list[Site], saves: list[_Save]
+) -> bool:
+    """`try: state = load(d, "train.pt") except FileNotFoundError: state = load(d,
+    "other.pt")`: the older name of a file the program writes, which holds the same."""
+    for node in ast.walk(site.scope.node):
+        if not isinstance(node, ast.Try):
+            continue
+        for handler in node.handlers:
+            if handler.type is None or tail(handler.type) != "FileNotFoundError":
+                continue
+            if not any(n is site.call for stmt in handler.body for n in ast.walk(stmt)):
+                continue
+            tried = {id(n) for stmt in node.body for n in ast.walk(stmt)}
+            if any(id(load.call) in tried and _reloads_own_save(fa, load, saves) for load in loads):
+                return True
+    return False
+
+
 def _helper_loads(fa: FileAnalysis) -> list[Site]:
     """Calls of the program's loader helpers that leave out their `map_location`: a
     function that hands its own `map_location` parameter, None by default, on to
@@ -357,13 +388,16 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
     loads = [site for site, _ in fa.resolved_calls("torch", LOADERS)]
     unmapped = [site for site in loads if not _mapped(site) and not _sibling_maps(site, loads)]
     saves: list[_Save] | None = None
-    for site in [*unmapped, *_helper_loads(fa)]:
+    candidates = [*unmapped, *_helper_loads(fa)]
+    for site in candidates:
         call = site.call
         if has_unknown_arguments(call) or fa.rank_only(site) is not None:
             continue
         if saves is None:
             saves = _saves(fa)
-        if _reloads_own_save(fa, site, saves):
+        if _reloads_own_save(fa, site, saves) or _falls_back_from_own_save(
+            fa, site, candidates, saves
+        ):
             continue
         what = "`torch.load` without `map_location`"
         if fa.imports.resolves_to(call.func, "torch", LOADERS) is None:
