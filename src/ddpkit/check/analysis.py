@@ -146,16 +146,39 @@ class FileAnalysis:
             for peer in self.peers
         )
 
+    def served_files(self) -> list[FileAnalysis]:
+        """This file, the files that import it (directly or not), and all those import:
+        the code that runs with it. A separate entry point of the same folder (a test
+        that starts its own group, another script sharing the helpers) is left out."""
+        peers = self.peers or [self]
+        importers = {self.position}
+        while grown := {
+            p.position
+            for p in peers
+            if p.position not in importers and any(k.target in importers for k in p.links.values())
+        }:
+            importers |= grown
+        served = set(importers)
+        while grown := {
+            link.target
+            for p in peers
+            if p.position in served
+            for link in p.links.values()
+            if link.target not in served
+        }:
+            served |= grown
+        return [p for p in peers if p.position in served]
+
     def program_mentions(self, name: str) -> bool:
         """True when `name` is read outside `except` in this file or a file analysed with it."""
         return any(name in peer.index.seen for peer in self.peers or [self])
 
-    def program_reaches(self, name: str) -> bool:
+    def program_reaches(self, name: str, served_only: bool = False) -> bool:
         """True when code that runs when nothing fails (see `runs_normally`), in this file
-        or a file analysed with it, calls `name` or hands it on (`atexit.register(name)`),
-        not behind a rank test (a destroy in the else of `if rank == 0:` leaves rank 0
-        without one)."""
-        for peer in self.peers or [self]:
+        or a file analysed with it (with `served_only`, one of `served_files`), calls
+        `name` or hands it on (`atexit.register(name)`), not behind a rank test (a destroy
+        in the else of `if rank == 0:` leaves rank 0 without one)."""
+        for peer in self.served_files() if served_only else self.peers or [self]:
             if name not in peer.index.seen:
                 continue
             for site in peer.index.calls:

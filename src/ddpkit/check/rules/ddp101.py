@@ -18,6 +18,7 @@ from ddpkit.check.rules.base import (
     has_unknown_arguments,
     is_constant,
     passed_for,
+    show,
 )
 from ddpkit.findings import Severity
 
@@ -127,11 +128,14 @@ def _for_evaluation(fa: FileAnalysis, sampler: Site) -> bool:
 
 
 def _may_shuffle(fa: FileAnalysis, shuffle: ast.expr, site: Site) -> bool:
-    """`shuffle=True`; or a parameter of the enclosing helper that one of its calls
+    """`shuffle=True`; a variable that one branch sets True (`shuffle = False` for the
+    test split, else True); or a parameter of the enclosing helper that one of its calls
     makes true: `shuffle=shuffle` given True (`data_sampler(ds, shuffle=True, ...)`),
     `shuffle=mode == "train"` given "train"."""
     if is_constant(shuffle, True):
         return True
+    if isinstance(shuffle, ast.Name) and shuffle.id not in site.scope.params:
+        return any(is_constant(a.value, True) for a in assignments_to(fa, shuffle.id, site.scope))
     wanted: object = True
     if (
         isinstance(shuffle, ast.Compare)
@@ -201,7 +205,8 @@ def _prepared_loader_iterated_across_epochs(fa: FileAnalysis, site: Site) -> boo
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     samplers = fa.calls("DistributedSampler")
     prepared = fa.ddpkit_calls("prepare_loader")
-    if not (samplers or prepared) or fa.program_reaches("set_epoch"):
+    # Another script that shares the helpers may tell its own sampler the epoch.
+    if not (samplers or prepared) or fa.program_reaches("set_epoch", served_only=True):
         return
     for site in prepared:
         if _prepared_loader_shuffles(fa, site) and _prepared_loader_iterated_across_epochs(
@@ -219,15 +224,19 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
             continue
         # DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last)
         shuffle = argument(call, 3, "shuffle")
+        when = ""
         if shuffle is not None and not _may_shuffle(fa, shuffle, site):
-            continue  # shuffle=False needs no epoch; a variable we cannot judge
+            if not isinstance(shuffle, ast.Subscript):
+                continue  # shuffle=False needs no epoch; a variable we cannot judge
+            # Read from a config file (`cfg["shuffle"]`): say what it depends on.
+            when = f" (when `{show(shuffle)}` is true)"
         if _for_evaluation(fa, site):
             continue
         if not _iterated_across_epochs(fa, site):
             continue
         yield (
             call,
-            "DistributedSampler shuffles with the same seed every epoch because `set_epoch` "
+            f"DistributedSampler shuffles{when} with the same seed every epoch because `set_epoch` "
             "is never called: call `sampler.set_epoch(epoch)` (or "
             "`loader.sampler.set_epoch(epoch)`) at the start of each epoch",
         )

@@ -146,30 +146,6 @@ def _uses_current_device(fa: FileAnalysis, call: ast.Call) -> bool:
     )
 
 
-def _served_files(fa: FileAnalysis) -> list[FileAnalysis]:
-    """The init's file, the files that import it (directly or not), and all those
-    import: the code the ranks of this group run. A separate entry point of the same
-    folder (a test that starts its own group) is left out."""
-    peers = fa.peers or [fa]
-    importers = {fa.position}
-    while grown := {
-        p.position
-        for p in peers
-        if p.position not in importers and any(k.target in importers for k in p.links.values())
-    }:
-        importers |= grown
-    served = set(importers)
-    while grown := {
-        link.target
-        for p in peers
-        if p.position in served
-        for link in p.links.values()
-        if link.target not in served
-    }:
-        served |= grown
-    return [p for p in peers if p.position in served]
-
-
 def _hard_coded_node_size(peer: FileAnalysis, expr: ast.expr) -> bool:
     """`8`, or a module constant bound to one (`GPUS_PER_NODE = 8`)."""
     if isinstance(expr, ast.Name):
@@ -196,7 +172,7 @@ def _is_per_node_guess(peer: FileAnalysis, node: ast.AST) -> bool:
 
 def _per_node_guess(fa: FileAnalysis) -> ast.BinOp | None:
     """The first per-node guess (see `_is_per_node_guess`) in the group's code."""
-    for peer in _served_files(fa):
+    for peer in fa.served_files():
         for node in ast.walk(peer.tree):
             if isinstance(node, ast.BinOp) and _is_per_node_guess(peer, node):
                 return node
@@ -238,7 +214,7 @@ def _per_node_devices(fa: FileAnalysis) -> Iterator[Hit]:
 def _current_device_use(fa: FileAnalysis) -> tuple[ast.Call, int] | None:
     """A call of the group's code that works on the current device (GPU 0 in every rank
     unless something picks one), and the line it is on."""
-    for peer in _served_files(fa):
+    for peer in fa.served_files():
         for site in peer.index.calls:
             if _uses_current_device(peer, site.call):
                 return site.call, site.line
