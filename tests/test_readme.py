@@ -485,3 +485,17 @@ def test_every_case_of_the_hang_section_has_its_tests() -> None:
         for test in tests:
             path, name = test.split("::")
             assert f"def {name}(" in (ROOT / "tests" / path).read_text(), test
+
+
+def test_check_is_silent_on_the_readmes_code_and_the_ported_tutorial(tmp_path: Path) -> None:
+    from ddpkit.check import check_paths
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        (tmp_path / f"readme_{i}.py").write_text(block)
+    port_versions(into=tmp_path)  # the port of docs/port.md, beside its datautils.py
+    (tmp_path / "single_gpu.py").unlink()  # the one-GPU original is not a DDP program
+    report = check_paths([tmp_path])
+    assert report.files_checked == len(blocks) + 2  # the port and its datautils.py
+    assert report.findings == [], [f"{f.path}:{f.line} {f.code}" for f in report.findings]
