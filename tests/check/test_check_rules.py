@@ -411,6 +411,17 @@ def test_ddp109(setup: str, expected: list[str]) -> None:
     assert codes(source, "DDP109") == expected
 
 
+def test_ddp109_backend_read_from_a_config_is_a_warning_that_says_so() -> None:
+    source = HEAD + (
+        "def run(rank, cfg):\n"
+        '    dist.init_process_group(backend=cfg["backend"], rank=rank, world_size=2)\n'
+        "    torch.cuda.empty_cache()\n"
+    )
+    (finding,) = check_source(source, select=["DDP109"])
+    assert finding.severity.value == "warning"
+    assert "`cfg['backend']`, read from a config, is nccl" in finding.message
+
+
 @pytest.mark.parametrize(
     ("use", "expected"),
     [

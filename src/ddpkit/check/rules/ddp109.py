@@ -274,7 +274,15 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
                 "use the local rank (`int(os.environ['LOCAL_RANK'])`)",
             )
             continue
-        if not _may_be_nccl(argument(call, 0, "backend"), site.scope, fa):
+        backend = argument(call, 0, "backend")
+        # A backend read from a config file (`h.dist_config["dist_backend"]`): reported
+        # at warning level, as what the finding depends on.
+        unknown = (
+            f" (a warning: this holds when `{show(backend)}`, read from a config, is nccl)"
+            if isinstance(backend, ast.Subscript)
+            else ""
+        )
+        if not unknown and not _may_be_nccl(backend, site.scope, fa):
             continue
         if has_unknown_arguments(call):
             continue  # `**kwargs` may hold the `device_id`
@@ -283,24 +291,24 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
         # Where every tensor and DDP's `device_ids` name the rank's GPU, the current
         # device is never used and its default (GPU 0) does no harm.
         use = _current_device_use(fa)
-        if use is None:
-            guess = _per_node_guess(fa)
-            if guess is not None:
-                yield (
-                    call,
-                    f"nccl process group without `torch.cuda.set_device`, and the GPU index "
-                    f"`{show(guess)}` (line {guess.lineno}) is the global rank modulo a fixed "
-                    "count: on a node with fewer GPUs it names one that does not exist; use "
-                    "the local rank (`int(os.environ['LOCAL_RANK'])`) and `set_device` it",
-                )
+        guess = _per_node_guess(fa) if use is None else None
+        if guess is not None:
+            message = (
+                f"nccl process group without `torch.cuda.set_device`, and the GPU index "
+                f"`{show(guess)}` (line {guess.lineno}) is the global rank modulo a fixed "
+                "count: on a node with fewer GPUs it names one that does not exist; use "
+                "the local rank (`int(os.environ['LOCAL_RANK'])`) and `set_device` it"
+            )
+        elif use is not None:
+            message = (
+                f"nccl process group without `torch.cuda.set_device(local_rank)` (or "
+                f"`device_id=`), yet `{show(use[0])}` (line {use[1]}) works on the current "
+                "device: GPU 0 in every rank (out of memory, a context on GPU 0, or an nccl "
+                "error); call `torch.cuda.set_device(local_rank)` before `init_process_group`"
+            )
+        else:
             continue
-        yield (
-            call,
-            f"nccl process group without `torch.cuda.set_device(local_rank)` (or "
-            f"`device_id=`), yet `{show(use[0])}` (line {use[1]}) works on the current "
-            "device: GPU 0 in every rank (out of memory, a context on GPU 0, or an nccl "
-            "error); call `torch.cuda.set_device(local_rank)` before `init_process_group`",
-        )
+        yield (call, message + unknown, Severity.WARNING) if unknown else (call, message)
 
 
 RULE = Rule(
