@@ -127,7 +127,7 @@ class CallGraph:
             self._methods_named[id(unit)] = methods
         unit_of = {fn: unit for unit in self._units for fn in unit.index.functions}
         self._unit_of = unit_of
-        self._types: dict[tuple[Scope, str], _Class] = {}
+        self._types: dict[tuple[Scope, str], list[_Class]] = {}
         for unit in self._units:
             self._instance_types(unit)
         self._incoming: dict[Scope, list[Edge]] = {
@@ -238,6 +238,23 @@ class CallGraph:
                 made.add(cls)
         return made.pop() if len(made) == 1 else None
 
+    def _classes_called(self, unit: Unit, func: ast.expr, scope: Scope) -> list[_Class]:
+        """The class a call of `func` constructs, directly or through a factory of the
+        program; or the classes a variable of `scope` is bound to (`Exp = Exp_Forecast`
+        in one branch, `Exp = Exp_Imputation` in another, then `Exp(args)`)."""
+        cls = self._class_of(unit, func) or self._made_by(unit, func)
+        if cls is not None:
+            return [cls]
+        if not isinstance(func, ast.Name):
+            return []
+        bound = [
+            a.value
+            for a in unit.index.assignments
+            if a.scope is scope and isinstance(a.target, ast.Name) and a.target.id == func.id
+        ]
+        classes = [self._class_of(unit, value) for value in bound]
+        return [c for c in classes if c is not None] if None not in classes else []
+
     def _instance_types(self, unit: Unit) -> None:
         """`x = Trainer(...)` -> (scope, "x"); `self.t = Trainer(...)` -> (module, "t");
         also through a factory of the program (`model = define_model(opt)`)."""
@@ -245,13 +262,13 @@ class CallGraph:
             value = a.value
             if not isinstance(value, ast.Call):
                 continue
-            cls = self._class_of(unit, value.func) or self._made_by(unit, value.func)
-            if cls is None:
+            classes = self._classes_called(unit, value.func, a.scope)
+            if not classes:
                 continue
             if isinstance(a.target, ast.Name):
-                self._types[(a.scope, a.target.id)] = cls
+                self._types[(a.scope, a.target.id)] = classes
             elif isinstance(a.target, ast.Attribute):
-                self._types.setdefault((unit.index.module, a.target.attr), cls)
+                self._types.setdefault((unit.index.module, a.target.attr), classes)
 
     def _methods(self, cls: _Class, name: str, seen: set[int] | None = None) -> list[Scope]:
         """Method `name` of a class, looking through its base classes among checked files."""
@@ -318,7 +335,7 @@ class CallGraph:
         module = self._module_of(unit, receiver)
         if module is not None:
             return self._in_module(module, name), True
-        cls: _Class | None = None
+        classes: list[_Class] = []
         if isinstance(receiver, ast.Name):
             if receiver.id in index.imports.aliases:
                 return [], True  # torch.save, os.path.join: a library, not this program
@@ -328,13 +345,16 @@ class CallGraph:
                     found_methods = self._methods(own_cls, name)
                     if found_methods:
                         return found_methods, True
-            cls = self._types.get((ref.scope, receiver.id))
+            classes = self._types.get((ref.scope, receiver.id), [])
         elif isinstance(receiver, ast.Attribute):
-            cls = self._types.get((index.module, receiver.attr))
+            classes = self._types.get((index.module, receiver.attr), [])
         elif isinstance(receiver, ast.Call):  # Trainer(...).train()
             cls = self._class_of(unit, receiver.func)
-        if cls is not None:
-            return self._methods(cls, name), True
+            classes = [cls] if cls is not None else []
+        if classes:
+            return [m for cls in classes for m in self._methods(cls, name)], True
+        if name == "__call__" and receiver is ref.node:
+            return [], True  # `f(x)` of a variable of unknown type: no guess
         return self._by_name(unit, name), False
 
     def _join_branches(self, fn: Scope, unit_of: dict[Scope, Unit]) -> None:

@@ -499,6 +499,9 @@ class _Indexer:
         func = node.func
         if isinstance(func, ast.Name):
             self._name(func, node)
+            if func.id not in self._func_names and "__call__" in self._method_names:
+                # `stopper(loss)` on an instance runs its class's `__call__`.
+                self._ref(func, "__call__", node, receiver=func)
         elif isinstance(func, ast.Attribute):
             self._attribute(func, node)
         else:
