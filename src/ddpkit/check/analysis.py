@@ -246,6 +246,13 @@ class FileAnalysis:
         """The functions of the program that a mention in this file surely stands for."""
         return self.callgraph.callees(self.unit, ref)
 
+    def home_of(self, scope: Scope) -> FileAnalysis | None:
+        """The file, among those analysed with this one, that defines `scope`."""
+        root = scope
+        while root.parent is not None:
+            root = root.parent
+        return next((p for p in self.peers or [self] if p.index.module is root), None)
+
     @cached_property
     def process_group_inits(self) -> list[Site]:
         return self.calls("init_process_group")

@@ -14,6 +14,8 @@ import ast
 _CANONICAL_PREFIXES = (
     ("torch.distributed.distributed_c10d.", "torch.distributed."),
     ("torch.distributed.c10d.", "torch.distributed."),
+    # `funcol.all_reduce(x, ...)` waits for every rank of its group just the same.
+    ("torch.distributed._functional_collectives.", "torch.distributed."),
 )
 
 

@@ -155,10 +155,7 @@ def _times(fa: FileAnalysis, fn: Scope, member: str) -> int:
     """How many times a call of `fn` makes `member`: the number of its own calls of it
     when each runs once (no test, no loop around it) and it makes none through other
     functions; otherwise 1, as an unknown count was taken before."""
-    root = fn
-    while root.parent is not None:
-        root = root.parent
-    home = next((p for p in fa.peers or [fa] if p.index.module is root), None)
+    home = fa.home_of(fn)
     if home is None:
         return 1
     own = [s for s, m in _collectives(home) if s.scope is fn and m == member]

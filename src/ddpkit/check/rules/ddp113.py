@@ -399,21 +399,34 @@ class _Syncs:
             p.joins_process_group or p.calls(*COLLECTIVES) for p in programs
         )
 
-    def _is_sync(self, call: ast.Call) -> str | None:
-        member = collective(self._fa.imports, call)
+    def _is_sync(self, call: ast.Call, home: FileAnalysis | None = None) -> str | None:
+        member = collective((home or self._fa).imports, call)
         if member is not None:
             return f"`{member}`"
         if self._ddp and tail(call.func) == "backward":
             return "DDP's gradient all-reduce in `backward()`"
         return None
 
-    def _function_syncs(self, fn: Scope) -> str | None:
+    def _function_syncs(self, fn: Scope, depth: int = 0) -> str | None:
+        """What `fn` waits for: a collective it surely makes, or else one it may make,
+        itself or through the functions it calls, in any file of the program (torchtitan's
+        `dist_sum_tensor` all-reduces when it is given a mesh)."""
         made = self._fa.callgraph.collectives_of(fn)
         if made:
             return f"`{sorted(made)[0]}`"
-        for site in self._fa.index.calls:
-            if site.scope is fn and (found := self._is_sync(site.call)) is not None:
+        home = self._fa.home_of(fn)
+        if home is None:
+            return None
+        for site in home.index.calls:
+            if site.scope is fn and (found := self._is_sync(site.call, home)) is not None:
                 return found
+        if depth >= 2:
+            return None
+        for ref in home.index.refs:
+            if ref.scope is fn and ref.call_expr is not None:
+                for callee in home.callees(ref):
+                    if (found := self._function_syncs(callee, depth + 1)) is not None:
+                        return found
         return None
 
     def first_after(self, loop: ast.stmt, scope: Scope, line: int) -> tuple[int, str] | None:
