@@ -82,17 +82,37 @@ def _walk_scope(body: list[ast.stmt], facts: _ScopeFacts) -> None:
                 facts.bindings.append((_names(node.target), node.value, False))
 
 
-_DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+_DEFINITIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef})
+# Nodes with nothing below them that matters here: not worth a turn of the walk.
+_LEAVES = frozenset(
+    cls
+    for base in (ast.expr_context, ast.operator, ast.cmpop, ast.unaryop, ast.boolop)
+    for cls in base.__subclasses__()
+)
 
 
-def _own_nodes(node: ast.AST) -> Iterator[ast.AST]:
-    """`node` and what it holds, without nested functions and classes (their own scopes)."""
+def _own_nodes(node: ast.AST) -> list[ast.AST]:
+    """`node` and what it holds, without nested functions and classes (their own scopes),
+    in the order of a depth-first walk that takes the last child first. A list and a
+    hand-written walk: this runs over every node of every file."""
+    found: list[ast.AST] = []
     stack = [node]
     while stack:
         current = stack.pop()
-        if not isinstance(current, _DEFINITIONS):
-            yield current
-            stack.extend(ast.iter_child_nodes(current))
+        if type(current) in _DEFINITIONS:
+            continue
+        found.append(current)
+        for name in current._fields:
+            value = getattr(current, name, None)
+            if type(value) is list:
+                stack.extend(
+                    item
+                    for item in value
+                    if isinstance(item, ast.AST) and type(item) not in _LEAVES
+                )
+            elif isinstance(value, ast.AST) and type(value) not in _LEAVES:
+                stack.append(value)
+    return found
 
 
 def _reads(expr: ast.expr, names: set[str]) -> bool:
