@@ -60,6 +60,8 @@ class _ScopeFacts:
 
 
 def _names(target: ast.expr) -> list[str]:
+    if isinstance(target, ast.Name):  # the common case, without a walk
+        return [target.id]
     return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
 
 
@@ -82,35 +84,38 @@ def _walk_scope(body: list[ast.stmt], facts: _ScopeFacts) -> None:
                 facts.bindings.append((_names(node.target), node.value, False))
 
 
-_DEFINITIONS = frozenset({ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef})
-# Nodes with nothing below them that matters here: not worth a turn of the walk.
-_LEAVES = frozenset(
-    cls
-    for base in (ast.expr_context, ast.operator, ast.cmpop, ast.unaryop, ast.boolop)
-    for cls in base.__subclasses__()
+# Left out of the walk: nested functions and classes (their own scopes), and the nodes
+# with nothing below them that the rule looks at (it wants loops, bindings and calls).
+_SKIPPED = frozenset(
+    {
+        *(ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Name, ast.Constant),
+        *(
+            cls
+            for base in (ast.expr_context, ast.operator, ast.cmpop, ast.unaryop, ast.boolop)
+            for cls in base.__subclasses__()
+        ),
+    }
 )
 
 
 def _own_nodes(node: ast.AST) -> list[ast.AST]:
-    """`node` and what it holds, without nested functions and classes (their own scopes),
-    in the order of a depth-first walk that takes the last child first. A list and a
-    hand-written walk: this runs over every node of every file."""
+    """The loops, bindings and calls in `node` (itself included), not those of nested
+    functions and classes, in the order of a depth-first walk that takes the last child
+    first. A hand-written walk: this runs over every node of every file."""
+    if type(node) in _SKIPPED:
+        return []
     found: list[ast.AST] = []
     stack = [node]
     while stack:
         current = stack.pop()
-        if type(current) in _DEFINITIONS:
-            continue
         found.append(current)
         for name in current._fields:
             value = getattr(current, name, None)
             if type(value) is list:
-                stack.extend(
-                    item
-                    for item in value
-                    if isinstance(item, ast.AST) and type(item) not in _LEAVES
-                )
-            elif isinstance(value, ast.AST) and type(value) not in _LEAVES:
+                for item in value:
+                    if isinstance(item, ast.AST) and type(item) not in _SKIPPED:
+                        stack.append(item)
+            elif isinstance(value, ast.AST) and type(value) not in _SKIPPED:
                 stack.append(value)
     return found
 
