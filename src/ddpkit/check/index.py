@@ -110,7 +110,8 @@ class Index:
     classes: dict[str, ClassInfo] = field(default_factory=dict)
     calls: list[Site] = field(default_factory=list)
     refs: list[Ref] = field(default_factory=list)
-    loops: list[Site] = field(default_factory=list)
+    loops: list[Site] = field(default_factory=list)  # `for` loops
+    while_loops: list[Site] = field(default_factory=list)
     assignments: list[Assignment] = field(default_factory=list)
     # Names and attribute names read anywhere outside / inside `except` handlers.
     seen: set[str] = field(default_factory=set)
@@ -406,6 +407,7 @@ class _Indexer:
             self._guarded(Guard(node.test, node, ORELSE), node.orelse)
 
     def _while(self, node: ast.While) -> None:
+        self.index.while_loops.append(self._site(node))
         self._visit(node.test)
         self._loop_depth += 1
         self._guarded(Guard(node.test, node, BODY), node.body)

@@ -60,8 +60,14 @@ class _ScopeFacts:
 
 
 def _names(target: ast.expr) -> list[str]:
-    if isinstance(target, ast.Name):  # the common case, without a walk
+    """The names in `target`, in the order of `ast.walk`."""
+    # The common targets without a walk: `x`, `self.x.y`, `a, b`.
+    while isinstance(target, ast.Attribute):
+        target = target.value
+    if isinstance(target, ast.Name):
         return [target.id]
+    if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
+        return [e.id for e in target.elts if isinstance(e, ast.Name)]
     return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
 
 
@@ -229,9 +235,9 @@ class _Agreement:
 class _PerRank:
     """Which variables of each function hold this rank's own values (see the module doc)."""
 
-    def __init__(self, fa: FileAnalysis, facts: dict[Scope, _ScopeFacts]) -> None:
+    def __init__(self, fa: FileAnalysis) -> None:
         self._fa = fa
-        self._facts = facts
+        self._facts: dict[Scope, _ScopeFacts] = {}
         self._models = self._trained_models()
         self._functions = {fn.name: fn for fn in fa.index.functions if not fn.is_method}
         self._memo: dict[Scope, set[str]] = {}
@@ -282,7 +288,7 @@ class _PerRank:
         if scope in self._memo:
             return self._memo[scope]
         self._memo[scope] = set()  # a recursive function adds nothing
-        facts = self._facts.get(scope, _ScopeFacts())
+        facts = self.facts(scope)
         agreed = self.agreed(scope) | {
             name
             for names, value, _ in facts.bindings
@@ -312,6 +318,14 @@ class _PerRank:
                 break
         self._memo[scope] = tainted
         return tainted
+
+    def facts(self, scope: Scope) -> _ScopeFacts:
+        """What the walk of the function's own code shows, walked when first asked for."""
+        if scope not in self._facts:
+            self._facts[scope] = facts = _ScopeFacts()
+            if isinstance(scope.node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)):
+                _walk_scope(scope.node.body, facts)
+        return self._facts[scope]
 
     def _unshared(self, names: list[str], value: ast.expr) -> list[str]:
         """`loss, gn, overflow = backward(...)`: the names at the places of the helper's
@@ -473,19 +487,6 @@ class _Syncs:
         return min(found) if found else None
 
 
-def _scopes(fa: FileAnalysis) -> dict[Scope, _ScopeFacts]:
-    facts: dict[Scope, _ScopeFacts] = {}
-    for scope in (fa.index.module, *fa.index.functions):
-        node = scope.node
-        body = (
-            node.body
-            if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef))
-            else []
-        )
-        _walk_scope(body, facts.setdefault(scope, _ScopeFacts()))
-    return facts
-
-
 def _never_raised(fa: FileAnalysis, test: ast.expr) -> bool:
     """`test` is an attribute (`callbacks.stop_training`) that the program only ever sets
     to False or None, if at all."""
@@ -528,10 +529,13 @@ def check(fa: FileAnalysis) -> Iterator[Hit]:
     syncs = _Syncs(fa)
     if not syncs.possible:
         return
-    facts = _scopes(fa)
-    per_rank = _PerRank(fa, facts)
-    for scope, scope_facts in facts.items():
-        for loop in scope_facts.loops:
+    per_rank = _PerRank(fa)
+    # Only the functions with a loop are walked (the index saw every loop).
+    looping = {site.scope for site in (*fa.index.loops, *fa.index.while_loops)}
+    for scope in (fa.index.module, *fa.index.functions):
+        if scope not in looping:
+            continue
+        for loop in per_rank.facts(scope).loops:
             leaving = list(_exits(loop.body, (), False))
             if isinstance(loop, ast.While):
                 leaving += _counter_moves(loop, loop.body, ())
