@@ -91,11 +91,7 @@ class FileAnalysis:
         self.shared_callgraph: Callable[[], CallGraph] | None = None
         # Shared with the other files of the program by `program.py`.
         self.rank_facts: RankFacts | None = None
-        self.calls_by_tail: dict[str, list[Site]] = {}
-        for site in self.index.calls:
-            name = tail(site.call.func)
-            if name is not None:
-                self.calls_by_tail.setdefault(name, []).append(site)
+        self.calls_by_tail = self.index.calls_by_tail
 
     @cached_property
     def ranks(self) -> RankModel:

@@ -30,7 +30,7 @@ from functools import cached_property
 
 from ddpkit.check.index import BODY, ORELSE, ClassInfo, Guard, Index, Ref, Scope, Site
 from ddpkit.check.linking import Link
-from ddpkit.check.names import Imports, dotted, tail
+from ddpkit.check.names import Imports, dotted
 from ddpkit.check.paths import Divergence, PathModel
 from ddpkit.check.ranks import RANK_ZERO_DECORATORS, RankModel
 from ddpkit.collectives import COLLECTIVES
@@ -520,16 +520,16 @@ class CallGraph:
                 if edge.exact:
                     callers.setdefault(fn, []).append(edge.ref.scope)
                     called.setdefault(edge.ref.scope, []).append(fn)
-        starts = [site.scope for site in self._group_starts()]
+        starts = [site.scope for site in self._group_starts]
         return _closure(_closure(starts, callers), called)
 
+    @cached_property
     def _group_starts(self) -> list[Site]:
         return [
             site
             for unit in self._units
             if "init_process_group" in unit.index.seen
-            for site in unit.index.calls
-            if tail(site.call.func) == "init_process_group"
+            for site in unit.index.calls_by_tail.get("init_process_group", ())
         ]
 
     @cached_property
@@ -537,7 +537,7 @@ class CallGraph:
         """The flags that every way to `init_process_group` tests (`if cfg.enable_fsdp:
         setup()`, or in `setup` itself): with one of them unset, no group is started."""
         found: frozenset[str] | None = None
-        for site in self._group_starts():
+        for site in self._group_starts:
             flags = _flags(site.guards)
             if not flags and not site.scope.is_module:
                 callers = [_flags(e.ref.guards) for e in self._incoming.get(site.scope, ())]

@@ -120,6 +120,8 @@ class Index:
     calls_in_except: set[int] = field(default_factory=set)
     # The calls (by id) made in a `with torch_distributed_zero_first(rank):` block.
     calls_rank_zero_first: set[int] = field(default_factory=set)
+    # The calls by the last name of the callee (`dist.barrier()` under "barrier").
+    calls_by_tail: dict[str, list[Site]] = field(default_factory=dict)
 
 
 def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index:
@@ -132,7 +134,12 @@ def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index
     # The handler table holds bound methods of the indexer: a reference cycle that
     # would keep the whole tree alive until the garbage collector runs.
     indexer._handlers.clear()
-    return indexer.index
+    index = indexer.index
+    for site in index.calls:
+        name = tail(site.call.func)
+        if name is not None:
+            index.calls_by_tail.setdefault(name, []).append(site)
+    return index
 
 
 def defined_names(tree: ast.Module) -> set[str]:

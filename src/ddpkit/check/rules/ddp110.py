@@ -255,6 +255,8 @@ def _config_urls(fa: FileAnalysis) -> Iterator[Hit]:
         for site in peer.process_group_inits
         if isinstance(url := argument(site.call, 1, "init_method"), ast.Attribute)
     }
+    if not used:
+        return
     for site in fa.index.calls:
         for kw in site.call.keywords:
             if kw.arg in used and _has_port(kw.value) and not _names_another_machine(kw.value):
