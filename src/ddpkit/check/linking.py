@@ -16,7 +16,7 @@ package that imports itself by its own name (`from mypkg.util import misc` insid
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,22 +29,33 @@ class Link:
     member: str | None
 
 
-def imports_in(
-    body: list[ast.stmt], in_function: bool = False
-) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
-    """The import statements of a block and of the blocks it holds, each with whether
-    it sits in a function body."""
+_Import = tuple[ast.Import | ast.ImportFrom, bool]
+# The statements that hold no block of statements: most of a file, passed over at once.
+_SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Pass, ast.Raise)
+
+
+def imports_in(body: list[ast.stmt], in_function: bool = False) -> list[_Import]:
+    """The import statements of a block and of the blocks it holds, in source order,
+    each with whether it sits in a function body."""
+    found: list[_Import] = []
+    _collect_imports(body, in_function, found)
+    return found
+
+
+def _collect_imports(body: list[ast.stmt], in_function: bool, found: list[_Import]) -> None:
     for stmt in body:
+        if isinstance(stmt, _SIMPLE):
+            continue
         if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-            yield stmt, in_function
+            found.append((stmt, in_function))
             continue
         inner = in_function or isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef))
         for name in ("body", "orelse", "finalbody"):
             block = getattr(stmt, name, None)
             if isinstance(block, list):
-                yield from imports_in(block, inner)
+                _collect_imports(block, inner, found)
         for part in (*getattr(stmt, "handlers", ()), *getattr(stmt, "cases", ())):
-            yield from imports_in(part.body, inner)
+            _collect_imports(part.body, inner, found)
 
 
 class Linker:
@@ -53,10 +64,12 @@ class Linker:
     def __init__(self, files: Sequence[Path], roots: Sequence[Path]) -> None:
         self._position = {path.resolve(): i for i, path in enumerate(files)}
         self._roots = [root.resolve() for root in roots]
+        # What `_find` gave, by the importing file's folder, level and module: the files
+        # of a folder import the same modules (`torch`, `os`) over and over.
+        self._found: dict[tuple[Path, int, str], int | None] = {}
 
-    def _bases(self, importer: Path) -> list[Path]:
+    def _bases(self, folder: Path) -> list[Path]:
         """The importing file's folder and the folders above it, up to a checked root."""
-        folder = importer.parent
         root = next((r for r in self._roots if folder == r or r in folder.parents), folder)
         bases = [folder]
         while folder != root and folder.parent != folder:
@@ -71,20 +84,27 @@ class Linker:
         return found if found is not None else self._position.get(path / "__init__.py")
 
     def _find(self, importer: Path, level: int, dotted: str) -> int | None:
+        key = (importer.parent, level, dotted)
+        if key not in self._found:
+            self._found[key] = self._look_up(importer.parent, level, dotted)
+        return self._found[key]
+
+    def _look_up(self, folder: Path, level: int, dotted: str) -> int | None:
+        """The checked file that `dotted` names, imported by a file of `folder`."""
         if level:
-            base = importer.parent
+            base = folder
             for _ in range(level - 1):
                 base = base.parent
             return self._module(base, dotted)
-        for base in self._bases(importer):
+        for base in self._bases(folder):
             found = self._module(base, dotted)
             if found is not None:
                 return found
         # `from mypkg.util import misc` inside `mypkg/`: the package by its own name.
         package = dotted.partition(".")[0]
-        for folder in importer.parents:
-            if folder.name == package:
-                return self._module(folder.parent, dotted)
+        for above in (folder, *folder.parents):
+            if above.name == package:
+                return self._module(above.parent, dotted)
         return None
 
     def links(self, path: Path, tree: ast.Module) -> dict[str, Link]:
