@@ -525,23 +525,31 @@ def _why_per_rank(
     return None
 
 
+def _leaving(loop: ast.AST) -> list[_Exit]:
+    """The ways out of `loop` taken on a condition (for a `while`, also the conditional
+    moves of its counter)."""
+    assert isinstance(loop, (ast.For, ast.AsyncFor, ast.While))  # what the index files as loops
+    leaving = list(_exits(loop.body, (), False))
+    if isinstance(loop, ast.While):
+        leaving += _counter_moves(loop, loop.body, ())
+    return [exit_ for exit_ in leaving if exit_.tests]
+
+
 def check(fa: FileAnalysis) -> Iterator[Hit]:
     syncs = _Syncs(fa)
     if not syncs.possible:
         return
     per_rank = _PerRank(fa)
-    # Only the functions with a loop are walked (the index saw every loop).
-    looping = {site.scope for site in (*fa.index.loops, *fa.index.while_loops)}
+    # Only the functions with a loop left on a condition are walked (the index saw
+    # every loop).
+    sites = (*fa.index.loops, *fa.index.while_loops)
+    exits = {site.node: _leaving(site.node) for site in sites}
+    walked = {site.scope for site in sites if exits[site.node]}
     for scope in (fa.index.module, *fa.index.functions):
-        if scope not in looping:
+        if scope not in walked:
             continue
         for loop in per_rank.facts(scope).loops:
-            leaving = list(_exits(loop.body, (), False))
-            if isinstance(loop, ast.While):
-                leaving += _counter_moves(loop, loop.body, ())
-            for exit_ in leaving:
-                if not exit_.tests:
-                    continue
+            for exit_ in exits[loop] if loop in exits else _leaving(loop):
                 why = _why_per_rank(fa, exit_.tests, scope, per_rank.names(scope))
                 if why is None:
                     continue
