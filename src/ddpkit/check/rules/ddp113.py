@@ -130,6 +130,8 @@ def _reads(expr: ast.expr, names: set[str]) -> bool:
     """`expr` computes from one of `names`: not only its shape (`x.shape`, `len(x)`), nor
     only holds it in a dict or list (`{"epoch": epoch, "best": best_loss}`, a checkpoint
     whose other entries are the same on every rank)."""
+    if not names:
+        return False
     stack: list[ast.AST] = [expr]
     while stack:
         node = stack.pop()
@@ -139,8 +141,10 @@ def _reads(expr: ast.expr, names: set[str]) -> bool:
             continue
         if isinstance(node, ast.Call) and tail(node.func) in _SHAPE_READS:
             continue
-        if isinstance(node, ast.Name) and node.id in names:
-            return True
+        if isinstance(node, ast.Name):
+            if node.id in names:
+                return True
+            continue  # nothing below a name
         stack.extend(ast.iter_child_nodes(node))
     return False
 
@@ -256,10 +260,14 @@ class _PerRank:
                 models.add(name)
         return models
 
-    def _runs_model(self, expr: ast.expr) -> bool:
-        for node in ast.walk(expr):
-            if not isinstance(node, ast.Call):
-                continue
+    def _computes_per_rank(self, value: ast.expr, depth: int) -> bool:
+        """`value` runs the trained model, or calls a function of this file that returns
+        per-rank data."""
+        calls = [node for node in ast.walk(value) if isinstance(node, ast.Call)]
+        return self._runs_model(calls) or self._returns_per_rank(calls, depth)
+
+    def _runs_model(self, calls: list[ast.Call]) -> bool:
+        for node in calls:
             func = node.func
             if dotted(func) in self._models:
                 return True
@@ -273,10 +281,10 @@ class _PerRank:
                 return True
         return False
 
-    def _returns_per_rank(self, expr: ast.expr, depth: int) -> bool:
+    def _returns_per_rank(self, calls: list[ast.Call], depth: int) -> bool:
         """`evaluate(model, val_loader)`, a function of this file returning per-rank data."""
-        for node in ast.walk(expr):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        for node in calls:
+            if isinstance(node.func, ast.Name):
                 fn = self._functions.get(node.func.id)
                 if fn is not None and depth < 3:
                     names = self.names(fn, depth + 1)
@@ -307,11 +315,7 @@ class _PerRank:
                     continue
                 else:
                     names = self._unshared(names, value)
-                    per_rank = (
-                        _reads(value, tainted)
-                        or self._runs_model(value)
-                        or self._returns_per_rank(value, depth)
-                    )
+                    per_rank = _reads(value, tainted) or self._computes_per_rank(value, depth)
                 if per_rank:
                     tainted.update(n for n in names if n not in agreed)
             if len(tainted) == before:
