@@ -31,7 +31,10 @@ class Link:
 
 _Import = tuple[ast.Import | ast.ImportFrom, bool]
 # The statements that hold no block of statements: most of a file, passed over at once.
-_SIMPLE = (ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Pass, ast.Raise)
+_SIMPLE = frozenset(
+    {ast.Expr, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Pass, ast.Raise}
+    | {ast.Assert, ast.Delete, ast.Global, ast.Nonlocal, ast.Break, ast.Continue}
+)
 
 
 def imports_in(body: list[ast.stmt], in_function: bool = False) -> list[_Import]:
@@ -44,7 +47,7 @@ def imports_in(body: list[ast.stmt], in_function: bool = False) -> list[_Import]
 
 def _collect_imports(body: list[ast.stmt], in_function: bool, found: list[_Import]) -> None:
     for stmt in body:
-        if isinstance(stmt, _SIMPLE):
+        if type(stmt) in _SIMPLE:
             continue
         if isinstance(stmt, (ast.Import, ast.ImportFrom)):
             found.append((stmt, in_function))
