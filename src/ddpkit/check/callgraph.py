@@ -179,6 +179,8 @@ class CallGraph:
 
     def _module_of(self, unit: Unit, expr: ast.expr) -> Unit | None:
         """The checked file that `expr` (`utils`, `util.misc`) names, if any."""
+        if not unit.links:  # it imports no checked file
+            return None
         name = dotted(expr)
         if name is None or name not in unit.links:
             return None
