@@ -71,9 +71,16 @@ def _names(target: ast.expr) -> list[str]:
     return [n.id for n in ast.walk(target) if isinstance(n, ast.Name)]
 
 
+_LOOPS_AND_BINDINGS = frozenset(
+    {ast.For, ast.AsyncFor, ast.While, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.NamedExpr}
+)
+
+
 def _walk_scope(body: list[ast.stmt], facts: _ScopeFacts) -> None:
     for stmt in body:
         for node in _own_nodes(stmt):
+            if type(node) not in _LOOPS_AND_BINDINGS:  # most nodes: calls, attributes
+                continue
             if isinstance(node, (ast.For, ast.AsyncFor)):
                 facts.bindings.append((_names(node.target), node.iter, True))
                 if isinstance(node, ast.For):
