@@ -68,8 +68,6 @@ class Edge:
 
 
 _Class = tuple[Unit, ClassInfo]
-# The values bound to each variable of a file, by its function and name, in source order.
-_Variables = dict[tuple[Scope, str], list[ast.expr]]
 DISTRIBUTED = "torch.distributed"
 # mpi4py's collectives, which some codebases (guided-diffusion and its descendants) use
 # beside torch's: `MPI.COMM_WORLD.bcast(x)` waits for every rank just the same.
@@ -242,9 +240,7 @@ class CallGraph:
                 made.add(cls)
         return made.pop() if len(made) == 1 else None
 
-    def _classes_called(
-        self, unit: Unit, func: ast.expr, scope: Scope, variables: _Variables
-    ) -> list[_Class]:
+    def _classes_called(self, unit: Unit, func: ast.expr, scope: Scope) -> list[_Class]:
         """The class a call of `func` constructs, directly or through a factory of the
         program; or the classes a variable of `scope` is bound to (`Exp = Exp_Forecast`
         in one branch, `Exp = Exp_Imputation` in another, then `Exp(args)`)."""
@@ -253,21 +249,18 @@ class CallGraph:
             return [cls]
         if not isinstance(func, ast.Name):
             return []
-        classes = [self._class_of(unit, value) for value in variables.get((scope, func.id), ())]
+        bound = [a.value for a in unit.index.assignments_to.get(func.id, ()) if a.scope is scope]
+        classes = [self._class_of(unit, value) for value in bound]
         return [c for c in classes if c is not None] if None not in classes else []
 
     def _instance_types(self, unit: Unit) -> None:
         """`x = Trainer(...)` -> (scope, "x"); `self.t = Trainer(...)` -> (module, "t");
         also through a factory of the program (`model = define_model(opt)`)."""
-        variables: _Variables = {}
-        for a in unit.index.assignments:
-            if isinstance(a.target, ast.Name):
-                variables.setdefault((a.scope, a.target.id), []).append(a.value)
         for a in unit.index.assignments:
             value = a.value
             if not isinstance(value, ast.Call):
                 continue
-            classes = self._classes_called(unit, value.func, a.scope, variables)
+            classes = self._classes_called(unit, value.func, a.scope)
             if not classes:
                 continue
             if isinstance(a.target, ast.Name):

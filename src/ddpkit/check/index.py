@@ -122,6 +122,8 @@ class Index:
     calls_rank_zero_first: set[int] = field(default_factory=set)
     # The calls by the last name of the callee (`dist.barrier()` under "barrier").
     calls_by_tail: dict[str, list[Site]] = field(default_factory=dict)
+    # The assignments to plain names (`x = ...`), by the name.
+    assignments_to: dict[str, list[Assignment]] = field(default_factory=dict)
 
 
 def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index:
@@ -139,6 +141,9 @@ def build_index(tree: ast.Module, linked: frozenset[str] = frozenset()) -> Index
         name = tail(site.call.func)
         if name is not None:
             index.calls_by_tail.setdefault(name, []).append(site)
+    for a in index.assignments:
+        if isinstance(a.target, ast.Name):
+            index.assignments_to.setdefault(a.target.id, []).append(a)
     return index
 
 

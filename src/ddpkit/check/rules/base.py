@@ -91,11 +91,7 @@ def assignments_to(
 ) -> list[Assignment]:
     """The assignments to variable `name` in `scope` (and, with `module`, at module level)."""
     scopes = (scope, fa.index.module) if module else (scope,)
-    return [
-        a
-        for a in fa.index.assignments
-        if isinstance(a.target, ast.Name) and a.target.id == name and a.scope in scopes
-    ]
+    return [a for a in fa.index.assignments_to.get(name, ()) if a.scope in scopes]
 
 
 def contains(tree: ast.AST, node: ast.AST) -> bool:
