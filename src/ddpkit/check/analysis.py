@@ -165,10 +165,6 @@ class FileAnalysis:
             served |= grown
         return [p for p in peers if p.position in served]
 
-    def program_mentions(self, name: str) -> bool:
-        """True when `name` is read outside `except` in this file or a file analysed with it."""
-        return any(name in peer.index.seen for peer in self.peers or [self])
-
     def program_reaches(self, name: str, served_only: bool = False) -> bool:
         """True when code that runs when nothing fails (see `runs_normally`), in this file
         or a file analysed with it (with `served_only`, one of `served_files`), calls
