@@ -128,19 +128,24 @@ def test_sigterm_at_random_moments_resumes_to_the_uninterrupted_model(
 
 
 # -- in Python: launch() raises Preempted ----------------------------------------------
-class _SignalAtStep5(ddpkit.Callback):
-    """The rank given sends itself `signum` after step 5."""
+class _SignalAtStep(ddpkit.Callback):
+    """The rank given sends itself `signum` after step `step`."""
 
-    def __init__(self, rank: int, signum: int) -> None:
-        self.rank, self.signum = rank, signum
+    def __init__(self, rank: int, signum: int, step: int = 5) -> None:
+        self.rank, self.signum, self.step = rank, signum, step
 
     def on_step_end(self, trainer: Trainer, step: int) -> None:
-        if step == 5 and trainer.ctx.rank == self.rank:
+        if step == self.step and trainer.ctx.rank == self.rank:
             os.kill(os.getpid(), self.signum)
 
 
 def _fit_linear(
-    ctx: DistContext, folder: str | None, callback: ddpkit.Callback, samples: int, epochs: int
+    ctx: DistContext,
+    folder: str | None,
+    callback: ddpkit.Callback,
+    samples: int,
+    epochs: int,
+    resume: bool = False,
 ) -> int:
     """Fit a small regression with `callback`, checkpointing into `folder`; the steps."""
     ddpkit.seed_everything(0)
@@ -151,7 +156,9 @@ def _fit_linear(
         torch.optim.SGD(model.parameters(), lr=0.01),
         torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)),
         ctx,
-        TrainConfig(epochs=epochs, batch_size=8, checkpoint_dir=folder, progress=False),
+        TrainConfig(
+            epochs=epochs, batch_size=8, checkpoint_dir=folder, progress=False, resume=resume
+        ),
         loss_fn=nn.functional.mse_loss,
         callbacks=[callback],
         log_fn=lambda s: None,
@@ -162,7 +169,7 @@ def _fit_linear(
 
 def _fit_signalled(ctx: DistContext, folder: str | None, rank: int, signum: int) -> int:
     # Epochs enough that the ranks' vote (every 0.1 s of steps) comes long before the end.
-    return _fit_linear(ctx, folder, _SignalAtStep5(rank, signum), samples=256, epochs=200)
+    return _fit_linear(ctx, folder, _SignalAtStep(rank, signum), samples=256, epochs=200)
 
 
 @pytest.mark.parametrize(
@@ -185,6 +192,24 @@ def test_launch_raises_preempted_after_every_rank_saved_the_same_step(
     assert err.step == step if nprocs == 1 else step <= err.step < 200 * 16
     assert err.checkpoint == tmp_path / f"ckpt-{err.step:09d}.pt"
     assert torch.load(err.checkpoint, weights_only=True)["global_step"] == err.step
+
+
+def _fit_signalled_at_the_end(ctx: DistContext, folder: str, resume: bool) -> int:
+    # 64 samples on 2 ranks in batches of 8: 4 steps an epoch, so step 8 ends the fit.
+    return _fit_linear(ctx, folder, _SignalAtStep(1, signal.SIGTERM, 8), 64, 2, resume)
+
+
+def test_a_signal_at_the_last_step_still_stops_the_job_to_be_requeued(tmp_path: Path) -> None:
+    # The ranks vote on a signal a vote later, and the last step leaves no later vote: the
+    # end of fit votes once more. Without it the signal was forgotten, fit returned, and
+    # the job went on (a script's next phase) until the scheduler's SIGKILL, never requeued.
+    with pytest.raises(Preempted) as info:
+        launch(_fit_signalled_at_the_end, str(tmp_path), False, nprocs=2)
+    assert (info.value.signum, info.value.step) == (signal.SIGTERM, 8)
+    assert info.value.checkpoint == tmp_path / "ckpt-000000008.pt"
+    assert torch.load(info.value.checkpoint, weights_only=True)["global_step"] == 8
+    # Requeued, it resumes with nothing left to train.
+    assert launch(_fit_signalled_at_the_end, str(tmp_path), True, nprocs=2) == 8
 
 
 SCRIPT_JOB = """

@@ -282,9 +282,22 @@ class StopVote:
         self._left = self._every
         return 0
 
-    def close(self) -> None:
-        """Wait for the last vote (every rank calls this at the same point)."""
-        self._collect()
+    def close(self) -> int:
+        """At the end of the loop: the stop signal some rank received (the same on every
+        rank), or 0. Every rank calls this at the same point. A signal after the last
+        vote started has no later vote to be read in, so this one votes now (one
+        all-reduce that waits): a signal is never forgotten at the end."""
+        if not self.ctx.distributed:
+            return requested()
+        decided, _ = self._collect()
+        if decided:
+            return decided
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([requested()], dtype=torch.int64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self._group)
+        return int(mine.item())
 
     def _collect(self) -> tuple[int, int]:
         """(the signal, the steps to the vote after next) of the pending vote."""

@@ -117,10 +117,15 @@ class Checkpoints:
         self.best = value
         return True
 
+    def _checkpoint_now(self) -> Path:
+        """This step's checkpoint: written now unless it was already."""
+        if self.last_checkpoint is not None and self._saved_step == self.global_step:
+            return self.last_checkpoint
+        return self.save()
+
     def _keep_best(self) -> None:
         """Keep this step's checkpoint (written now unless it was already) as best.pt."""
-        path = self.last_checkpoint if self._saved_step == self.global_step else None
-        best = keep_as_best(path or self.save(), self.ctx)
+        best = keep_as_best(self._checkpoint_now(), self.ctx)
         self.say(f"{self.config.keep_best} {self.best:.4f} is the best so far: kept as {best}")
 
     def _resume(self) -> None:

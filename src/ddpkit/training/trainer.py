@@ -553,8 +553,9 @@ class Trainer(Checkpoints):
         return last
 
     def _finish(self, runlog: RunLog) -> FitResult:
-        if self._vote is not None:
-            self._vote.close()
+        signum = self._vote.close() if self._vote is not None else 0
+        if signum:  # after the last step: its checkpoint is the one to resume from
+            raise Preempted(self._checkpoint_now(), self.global_step, signum)
         # Without synchronized BatchNorm (or under FSDP, which never broadcasts buffers)
         # each rank's running statistics drifted: end with rank 0's.
         sync_buffers(self.model, self.ctx)
@@ -612,7 +613,7 @@ class Trainer(Checkpoints):
         self._bar.step_done(window)
         signum = self._vote.step() if self._vote is not None else 0
         if signum:  # every rank, after this same step
-            raise Preempted(self.save(), self.global_step, signum)
+            raise Preempted(self._checkpoint_now(), self.global_step, signum)
         # On every rank: an early stop is decided from numbers of all ranks.
         steps = cfg.max_steps
         run.whole = not (self.should_stop or (steps is not None and self.global_step >= steps))
