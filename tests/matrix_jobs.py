@@ -94,6 +94,7 @@ FEATURES = (
     "metrics_fn",  # uneven eval batches and a metrics_fn that runs the model
     "eval_max_batches",  # the metrics_fn cell, evaluating at most 1 batch a rank
     "plateau",  # ReduceLROnPlateau, stepped per epoch
+    "profile",  # profile=True (issue 47): each rank's step time, in the run log
     # Pairs ddpkit refuses before training (test_matrix.REFUSED says where):
     "early_stop_no_eval",  # early stopping on eval_loss without an eval set
     "uneven_syncbn",  # BatchNorm synchronised over a sampler that shards unevenly
@@ -364,6 +365,7 @@ FEATURE_OPTIONS: dict[str, dict[str, Any]] = {
     "early_stop_no_eval": {"early_stopping_patience": 1},
     "plateau": {"scheduler_interval": "epoch"},
     "eval_max_batches": {"eval_max_batches": 1},
+    "profile": {"profile": True},
 }
 
 

@@ -59,6 +59,7 @@ from typing import Any
 import pytest
 
 import ddpkit
+from ddpkit.inrank.breakdown import PARTS
 from ddpkit.parallel.fsdp import cpu_supported
 from tests import matrix_jobs as mj
 from tests.matrix_jobs import FEATURES, STRATEGIES
@@ -208,11 +209,14 @@ def trained(folder: Path, phase: str, ranks: int, epoch: int, before: float) -> 
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl's records without their timings, which no two runs share. The
-    record of the epoch a run resumed inside holds the whole epoch's loss and samples."""
+    """metrics.jsonl's records without their timings, which no two runs share (the
+    profile's records are nothing else). The record of the epoch a run resumed inside
+    holds the whole epoch's loss and samples."""
     out = []
     for line in path.read_text().splitlines():
         record = json.loads(line)
+        if record["kind"] == "profile":
+            continue
         for name in ("time", "samples_per_s"):
             record.pop(name, None)
         out.append(record)
@@ -281,6 +285,8 @@ def _straight_problems(
             problems.append(
                 f"{steps} step lines in metrics.jsonl for {straight['global_step']} steps"
             )
+    if feature == "profile":
+        problems += _profile_problems(folder / "run-straight" / "metrics.jsonl", straight, nprocs)
     if feature not in mj.ENDLESS:
         first = trained(folder, "straight", nprocs, 0, float("inf"))
         samples = EPOCH_SAMPLES.get(feature, mj.SAMPLES)
@@ -293,6 +299,20 @@ def _straight_problems(
         elif first != Counter(range(samples)):
             problems.append(f"the first epoch trained {dict(first)}, not each sample once")
     return problems
+
+
+def _profile_problems(log: Path, straight: dict[str, Any], nprocs: int) -> list[str]:
+    """A profiled run's records: each rank's breakdown at each epoch's end, whose windows
+    add up to every step the run took, each part measured."""
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    profiles = [r for r in records if r["kind"] == "profile"]
+    steps = Counter[int]()
+    for record in profiles:
+        steps[record["rank"]] += record["steps"]
+        if not all(record[f"{part}_ms"] >= 0 for part in PARTS) or record["compute_ms"] <= 0:
+            return [f"a profile record without its parts measured: {record}"]
+    want = {rank: straight["global_step"] for rank in range(nprocs)}
+    return [] if dict(steps) == want else [f"profiled steps per rank {dict(steps)}, not {want}"]
 
 
 @pytest.mark.timeout(90)

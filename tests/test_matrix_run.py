@@ -84,6 +84,9 @@ CELLS = [
     _cell(("--max-restarts", "2"), "preempted", PREEMPTED_EXIT, "restarts-preempted"),
     _cell(("--audit=strict",), "preempted", PREEMPTED_EXIT, "strict-preempted"),
     _cell(("--audit=strict",), "crash", 1, "strict-crash"),
+    # --profile (issue 47): the verdict is said however the job ends.
+    _cell(("--profile",), "preempted", PREEMPTED_EXIT, "profile-preempted"),
+    _cell(("--profile",), "crash", 1, "profile-crash"),
 ]
 
 
@@ -108,3 +111,5 @@ def test_run_ends_as_the_job_did(
     assert "trained to the end" not in out.stdout, "the job was restarted and trained on"
     if ending == "preempted":
         assert list(folder.glob("ckpt-*")), f"no checkpoint saved in {folder}"
+    if "--profile" in flags:
+        assert "ddpkit profile: 2 ranks" in out.stderr, said[-3000:]

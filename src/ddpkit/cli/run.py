@@ -18,10 +18,13 @@ from ddpkit.errors import ConfigError
 from ddpkit.findings import Finding, Severity, format_json, write_audit_log
 from ddpkit.processes.audit import report as audit_report
 from ddpkit.processes.config import LaunchConfig, parse_local_ranks
+from ddpkit.processes.profile import VERDICT_EVERY_S, RankProfile
 from ddpkit.processes.slurm import slurm_step
 from ddpkit.userfiles import kind_of
 
 HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
+# `--baseline`: the one-rank run's optimizer steps, the warm-up's included.
+BASELINE_STEPS = 40
 
 
 def add_parser(sub: Any) -> None:
@@ -113,6 +116,29 @@ def _options_parser() -> argparse.ArgumentParser:
         default="text",
         help="the audit's report: lines as `ddpkit check` prints them (default), or JSON",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="measure where each rank's step time goes (waiting for data, compute, "
+        "gradient communication, the optimizer) and say what holds the job back, every "
+        "--profile-every seconds and at the end; with --log-dir, the breakdown goes to "
+        "DIR/metrics.jsonl for `ddpkit plot DIR`",
+    )
+    p.add_argument(
+        "--profile-every",
+        type=float,
+        default=VERDICT_EVERY_S,
+        metavar="SECONDS",
+        help=f"seconds between two verdicts of --profile while the job runs (default "
+        f"{VERDICT_EVERY_S:.0f})",
+    )
+    p.add_argument(
+        "--baseline",
+        action="store_true",
+        help=f"with --profile: first run the script on one rank for {BASELINE_STEPS} "
+        "optimizer steps, for the scaling efficiency (samples/s of N ranks over N times "
+        "one rank's)",
+    )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -198,7 +224,17 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.processes.workers import exit_now
 
     found: list[Finding] = []
-    code = run_script(command, settings, found.extend if args.audit is not None else None)
+    profiles: dict[int, RankProfile] = {}
+    baseline = _baseline(command, settings) if args.baseline else None
+    code = run_script(
+        command,
+        settings,
+        found.extend if args.audit is not None else None,
+        profiles.update if args.profile else None,
+        args.profile_every,
+    )
+    if args.profile:
+        _report_profile(profiles, baseline, command, settings.log_dir)
     if args.audit is not None:
         _report_audit(found, args.format, settings.log_dir, code)
         if args.audit == "strict":
@@ -243,6 +279,62 @@ def _report_audit(found: list[Finding], fmt: str, log_dir: str | None, code: int
         print(format_json(found), end="", flush=True)
         return
     print(audit_report(found), end="", flush=True)
+
+
+def _baseline(command: list[str], settings: LaunchConfig) -> float | None:
+    """`--baseline`: samples/s of the script on one rank, stopped after BASELINE_STEPS
+    optimizer steps; None (said) when it measured none."""
+    from ddpkit.inrank.profile import STOP_AFTER_ENV
+    from ddpkit.processes.agent import run_script
+    from ddpkit.processes.profile import rate
+
+    print(
+        f"ddpkit: --baseline: the script on one rank for {BASELINE_STEPS} steps first",
+        file=sys.stderr,
+        flush=True,
+    )
+    measured: dict[int, RankProfile] = {}
+    os.environ[STOP_AFTER_ENV] = str(BASELINE_STEPS)
+    try:
+        one = dataclasses.replace(settings, nprocs=1, max_restarts=0, log_dir=None)
+        code = run_script(command, one, None, measured.update)
+    finally:
+        del os.environ[STOP_AFTER_ENV]
+    found = rate(measured) if code == 0 else None
+    if found is None:
+        print(
+            f"ddpkit: --baseline: the one-rank run {'failed' if code else 'counted no samples'} "
+            f"(exit status {code}): no scaling efficiency",
+            file=sys.stderr,
+            flush=True,
+        )
+    return found
+
+
+def _report_profile(
+    profiles: dict[int, RankProfile],
+    baseline: float | None,
+    command: list[str],
+    log_dir: str | None,
+) -> None:
+    """The verdict after the job; with --log-dir, the breakdown over time in
+    DIR/metrics.jsonl (records of kind "profile") for `ddpkit plot DIR`."""
+    from ddpkit.processes.profile import report
+    from ddpkit.records.runlog import RunLog
+
+    if not profiles:
+        print("ddpkit profile: no rank measured a step", file=sys.stderr, flush=True)
+        return
+    print(report(profiles, baseline), end="", file=sys.stderr, flush=True)
+    if log_dir is None:
+        return
+    runlog = RunLog(log_dir, {"command": command, "profile": True}, enabled=True)
+    try:
+        for rank, profile in sorted(profiles.items()):
+            for at, steps, window in profile.windows():
+                runlog.write("profile", steps, {"rank": rank, **window.record()}, at=at)
+    finally:
+        runlog.close()
 
 
 def _fill_from_slurm(args: argparse.Namespace) -> None:

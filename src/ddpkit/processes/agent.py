@@ -46,11 +46,18 @@ from ddpkit.inrank.preemption import (  # noqa: E402
     STOP_SIGNALS,
     TRAINED_NOTE,
 )
+from ddpkit.inrank.profile import PROFILE_ENV  # noqa: E402
 from ddpkit.inrank.watchdog import descendants  # noqa: E402
 from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
 from ddpkit.processes.machine import threads_per_rank  # noqa: E402
 from ddpkit.processes.output import RankOutput  # noqa: E402
+from ddpkit.processes.profile import (  # noqa: E402
+    VERDICT_EVERY_S,
+    ProfileWatch,
+    RankProfile,
+    read_profiles,
+)
 from ddpkit.processes.rehearse import REFUSED_EXIT, REHEARSE_ENV  # noqa: E402
 from ddpkit.processes.report import (  # noqa: E402
     HANG_EXIT,
@@ -70,11 +77,16 @@ def run_script(
     command: list[str],
     opts: LaunchConfig,
     on_audit: Callable[[list[Finding]], None] | None = None,
+    on_profile: Callable[[dict[int, RankProfile]], None] | None = None,
+    profile_every: float = VERDICT_EVERY_S,
 ) -> int:
     """Run `command` (SCRIPT ARGS..., or -m MODULE ARGS...) on every worker through
     torchrun's agent, `opts.nprocs` (resolved to a number) on this machine; the exit
     status. With `on_audit`, the workers are audited (see `audit.py`) and it is given
-    what they did wrong, once the job has ended (well or not).
+    what they did wrong, once the job has ended (well or not). With `on_profile`, the
+    workers measure where their step time goes (see `ddpkit.inrank.profile`): the
+    verdict is said every `profile_every` seconds, and `on_profile` is given every
+    rank's measurements once the job has ended.
 
     0 when every worker succeeded; 1 after a crash, with the first failing rank's
     traceback on stderr; 124 for a hang, with every rank's stack; 128 + N when the job
@@ -106,6 +118,8 @@ def run_script(
         env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     if on_audit is not None:
         env[AUDIT_ENV] = "1"
+    if on_profile is not None:
+        env[PROFILE_ENV] = "1"
     if opts.cpu:
         env[REHEARSE_ENV] = "1"
     if not single:
@@ -120,6 +134,9 @@ def run_script(
     if _QUIET_CPP_LOG:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
     torchrun_args = _torchrun_args(command, opts, port, status)
+    watch = None
+    if on_profile is not None:
+        watch = ProfileWatch(functools.partial(_latest_attempt, status), profile_every).start()
     try:
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
         if not single:
@@ -145,6 +162,10 @@ def run_script(
         output.close()
         if on_audit is not None:
             on_audit(audit_findings(_latest_attempt(status)))
+        if watch is not None:
+            watch.stop()
+        if on_profile is not None:
+            on_profile(read_profiles(_latest_attempt(status)))
         shutil.rmtree(status, ignore_errors=True)
         del store
 

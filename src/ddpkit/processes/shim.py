@@ -89,7 +89,7 @@ def main() -> None:
 
     attach()
     from ddpkit.errors import PREEMPTED_EXIT, Preempted, StoppedAtStart
-    from ddpkit.inrank import audit, preemption
+    from ddpkit.inrank import audit, preemption, profile
     from ddpkit.inrank.watchdog import Watchdog, record_error
     from ddpkit.processes import rehearse
     from ddpkit.processes.launcher import ReleasedByLaunch
@@ -107,6 +107,7 @@ def main() -> None:
     folder = _status_folder()
     watchdog = None
     recorder = None
+    profiler = None
     starting: Any = contextlib.nullcontext()
     if folder is not None:
         _note_process_group(folder, rank)
@@ -118,6 +119,7 @@ def main() -> None:
         )
         if os.environ.get(audit.AUDIT_ENV):
             recorder = audit.install(rank)
+        profiler = profile.from_env(rank, folder)
         if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
             watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
         rehearse.refuse_own_ranks()  # mp.spawn inside a rank would hang
@@ -172,6 +174,8 @@ def main() -> None:
                 record_error(folder, rank, exc)
     if recorder is not None and folder is not None:
         audit.finish(recorder, folder, failed=code != 0)
+    if profiler is not None:
+        profiler.dump(final=True)
     if code == 0 and folder is not None:
         # A rank whose peers then fail in a collective left them waiting: the agent
         # names it (see report.left_early).

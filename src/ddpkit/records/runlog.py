@@ -147,10 +147,19 @@ class RunLog:
     def active(self) -> bool:
         return self._file is not None
 
-    def write(self, kind: str, step: int, values: dict[str, float | int | None]) -> None:
+    def write(
+        self,
+        kind: str,
+        step: int,
+        values: dict[str, float | int | None],
+        at: float | None = None,
+    ) -> None:
+        """One record; `at`: its `time` when it is not now (measured earlier)."""
         if self._file is None:
             return
-        now = round(self.resumed_at + time.perf_counter() - self.start, 3)
+        if at is None:
+            at = time.perf_counter() - self.start
+        now = round(self.resumed_at + at, 3)
         record: dict[str, Any] = {"kind": kind, "step": step, "time": now}
         for key, value in values.items():
             record[key] = None if isinstance(value, float) and not math.isfinite(value) else value

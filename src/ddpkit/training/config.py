@@ -246,6 +246,14 @@ class TrainConfig:
         None, "a progress bar on rank 0 (default: when stdout is a terminal)"
     )
     """Show a progress bar on rank 0; None shows one when stdout is a terminal."""
+    profile: bool = _opt(
+        False, "measure where each rank's step time goes and say what holds the run back"
+    )
+    """Measure, on every rank, the time of each step spent waiting for data, computing,
+    waiting for gradient communication, in the optimizer and in ddpkit's own work; write
+    each rank's breakdown to metrics.jsonl at each epoch's end (`ddpkit plot` draws it)
+    and say what holds the run back (a slow loader, a straggler, communication) every
+    few minutes and at the end. Costs a few microseconds a step."""
 
     def __post_init__(self) -> None:
         for name in _FIELDS:

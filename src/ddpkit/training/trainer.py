@@ -51,6 +51,7 @@ from ddpkit.training.decisions import (
     reported,
 )
 from ddpkit.training.evaluation import Evaluation
+from ddpkit.training.profiling import StepProfile
 from ddpkit.training.progress import (
     Bar,
     EpochSums,
@@ -352,6 +353,7 @@ class Trainer(Checkpoints):
         self._resumed_step: int | None = None  # the run log drops its records after it, once
         self._resumed_inside = False  # ... and that epoch's record: it resumed inside it
         self._vote: StopVote | None = None  # agrees on a stop signal (see preemption)
+        self._profile = StepProfile(self.ctx, self.config.profile, self.say)
         self.last_checkpoint: Path | None = None
 
     # -- the loop -------------------------------------------------------------------
@@ -369,6 +371,7 @@ class Trainer(Checkpoints):
         runlog: RunLog | None = None
         try:
             runlog = self._start()
+            self._profile.start(self.model)
             with saving_on_signal() if self._vote else _NOTHING:
                 for epoch in self._epochs_left():
                     run = self._start_epoch(epoch, runlog)
@@ -388,11 +391,15 @@ class Trainer(Checkpoints):
                             self._tally(run, micro, loss.detach())
                             if micro.ends_step:
                                 self._optimizer_step(run.window)
-                                if self._after_step(run, runlog):
+                                with self._profile.own():
+                                    done = self._after_step(run, runlog)
+                                if done:
                                     break
                     finally:  # also on Ctrl-C: no half-drawn bar left on the screen
                         self._bar.close()
-                    if self._end_epoch(run, runlog):
+                    with self._profile.own():
+                        done = self._end_epoch(run, runlog)
+                    if done:
                         break
                 result = self._finish(runlog)
             PENDING.wait()  # its checkpoints on disk while the folder is still locked
@@ -550,12 +557,14 @@ class Trainer(Checkpoints):
             self.save()
         if improved:
             self._keep_best()
+        self._profile.epoch_end(self.global_step, runlog)
         return last
 
     def _finish(self, runlog: RunLog) -> FitResult:
         signum = self._vote.close() if self._vote is not None else 0
         if signum:  # after the last step: its checkpoint is the one to resume from
             raise Preempted(self._checkpoint_now(), self.global_step, signum)
+        self._profile.finish()
         # Without synchronized BatchNorm (or under FSDP, which never broadcasts buffers)
         # each rank's running statistics drifted: end with rank 0's.
         sync_buffers(self.model, self.ctx)
@@ -672,7 +681,8 @@ class Trainer(Checkpoints):
         """`evaluate()`, unless it already ran after this step (the last of a run by
         steps is due for both evaluations): then what it gave."""
         if self._evaluated[0] != self.global_step:
-            self._evaluated = self.global_step, self.evaluate()
+            with self._profile.outside():
+                self._evaluated = self.global_step, self.evaluate()
         return self._evaluated[1]
 
     # -- pieces of a step -------------------------------------------------------------
