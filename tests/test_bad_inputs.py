@@ -293,6 +293,18 @@ ROWS = [
         needs=("s.py",),
     ),
     Row(
+        "profile-every-0",
+        ("run", "--profile-every", "0", "s.py"),
+        "--profile-every 0: the seconds between two verdicts must be a number more than 0",
+        needs=("s.py",),
+    ),
+    Row(
+        "profile-every-inf",
+        ("run", "--profile-every", "inf", "s.py"),
+        "--profile-every inf: the seconds between two verdicts must be a number more than 0",
+        needs=("s.py",),
+    ),
+    Row(
         "signal-grace-nan",
         ("train", "--signal-grace", "nan"),
         "the signal grace must be a number of seconds > 0 (got nan)",

@@ -15,8 +15,10 @@ whole job of 2 ranks (about 6 s).
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,7 +179,7 @@ def _profiled(tmp_path: Path, runner: str, strategy: str, mode: str) -> list[str
     return _verdict(proc.stderr, proc.stdout, runner)
 
 
-def _cells() -> list[object]:
+def _cells() -> list[Any]:
     cells = []
     for runner in ("run", "train"):
         for strategy in ("ddp", "fsdp"):
@@ -207,6 +209,37 @@ def test_the_verdict_names_the_planted_cause(
         assert re.search(EXPECTED[mode], said), said
     if mode == "comm":
         assert not re.search(r"\brank \d", said), said
+
+
+def test_a_profiled_run_says_the_verdict_as_it_goes_and_keeps_the_breakdown_to_plot(
+    tmp_path: Path,
+) -> None:
+    # --baseline first runs the script on one rank; --profile-every 1 says the verdict
+    # every second; --log-dir keeps each rank's breakdown over time for `ddpkit plot`.
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    log = tmp_path / "log"
+    args = ["--baseline", "--profile-every", "1", "--log-dir", str(log)]
+    proc = run_cli(
+        *("run", "--nproc", "2", *args, str(script), "slowdata", "ddp"),
+        env={"OMP_NUM_THREADS": "1"},
+        cwd=tmp_path,
+    )
+    said = proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, said
+    assert "ddpkit: --baseline: the script on one rank for 40 steps first" in proc.stderr, said
+    assert re.search(r"ddpkit profile, the last 1 s: 2 ranks", proc.stderr), said
+    assert re.search(r"scaling efficiency \d+%: \d+ samples/s on 2 ranks against 2 x \d+", said)
+    records = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    for rank in (0, 1):
+        mine = [r for r in records if r["kind"] == "profile" and r["rank"] == rank]
+        assert sum(r["steps"] for r in mine) == 40, mine  # every step, in windows over time
+        assert len(mine) >= 2, mine
+    slow = [r for r in records if r["kind"] == "profile" and r["rank"] == 1]
+    assert all(r["data_ms"] > 20 * r["compute_ms"] for r in slow[1:]), slow
+    drawn = run_cli("plot", str(log))
+    assert drawn.returncode == 0, drawn.stderr
+    assert (log / "profile.png").stat().st_size > 10_000
 
 
 # -- the verdict on its own ------------------------------------------------------------------
@@ -244,3 +277,13 @@ def test_ddpkits_own_work_is_said_when_it_costs() -> None:
 
 def test_too_few_steps_say_so() -> None:
     assert verdict({0: Breakdown(steps=1, data=1.0)})[0].startswith("not enough optimizer steps")
+
+
+def test_a_rank_kept_off_its_core_is_told_apart_from_a_straggler() -> None:
+    ranks = _ranks((1, 20, 20, 1, 0), (1, 40, 1, 1, 0))
+    ranks[0].compute_cpu, ranks[1].compute_cpu = ranks[0].compute, ranks[1].compute / 2
+    lines = verdict(ranks)
+    assert lines[1].startswith(
+        "rank 1 computes 2.0x longer than rank 0, but ran on a core only 50% of that time: "
+        "other processes on its machine take its CPU; rank 0 waits 48%"
+    ), lines

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from pathlib import Path
@@ -127,17 +128,16 @@ def _options_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--profile-every",
         type=float,
-        default=VERDICT_EVERY_S,
         metavar="SECONDS",
         help=f"seconds between two verdicts of --profile while the job runs (default "
-        f"{VERDICT_EVERY_S:.0f})",
+        f"{VERDICT_EVERY_S:.0f}; implies --profile)",
     )
     p.add_argument(
         "--baseline",
         action="store_true",
-        help=f"with --profile: first run the script on one rank for {BASELINE_STEPS} "
-        "optimizer steps, for the scaling efficiency (samples/s of N ranks over N times "
-        "one rank's)",
+        help=f"first run the script on one rank for {BASELINE_STEPS} optimizer steps, for "
+        "--profile's scaling efficiency (samples/s of N ranks over N times one rank's; "
+        "implies --profile)",
     )
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script")
@@ -158,7 +158,21 @@ def parse_options(argv: list[str]) -> argparse.Namespace:
     else:
         args.script, args.args = (command[0], command[1:]) if command else (None, [])
     _audit_mode(args)
+    _profile_options(args)
     return args
+
+
+def _profile_options(args: argparse.Namespace) -> None:
+    """--baseline and --profile-every imply --profile; a verdict needs some time."""
+    every = args.profile_every
+    if every is not None and not (every > 0 and math.isfinite(every)):
+        raise ConfigError(
+            f"--profile-every {every:g}: the seconds between two verdicts must be a number "
+            f"more than 0 (default {VERDICT_EVERY_S:.0f})"
+        )
+    args.profile = args.profile or args.baseline or args.profile_every is not None
+    if args.profile_every is None:
+        args.profile_every = VERDICT_EVERY_S
 
 
 def split_command(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:

@@ -30,6 +30,9 @@ DATA_WAIT = 0.15
 COMM_WAIT = 0.20
 OPTIMIZER_SHARE = 0.30
 DDPKIT_SHARE = 0.05
+# A straggler whose main thread ran on a core less than this share of its compute time
+# was kept off it by other processes (CPU ranks only).
+RAN_SHARE = 0.75
 # Fewer steps than this say little: the verdict waits for more.
 MIN_STEPS = 3
 
@@ -45,6 +48,9 @@ class Breakdown:
     comm: float = 0.0
     optimizer: float = 0.0
     ddpkit: float = 0.0
+    # Of `compute`, the seconds the rank's main thread ran on a CPU (0: not measured,
+    # on GPUs): well below `compute`, other processes kept the rank off its core.
+    compute_cpu: float = 0.0
 
     @property
     def total(self) -> float:
@@ -184,6 +190,13 @@ def _straggler_line(ranks: Mapping[int, Breakdown], rank: int) -> str:
     times = slow.per_step("compute") / max(
         statistics.median(b.per_step("compute") for b in others), 1e-9
     )
+    ran = slow.compute_cpu / slow.compute if slow.compute_cpu and slow.compute else 1.0
+    if ran < RAN_SHARE:
+        return (
+            f"rank {rank} computes {times:.1f}x longer than {names}, but ran on a core only "
+            f"{_pct(ran)} of that time: other processes on its machine take its CPU; {wait} "
+            "(fewer ranks or threads per machine, or free its cores)"
+        )
     return (
         f"rank {rank} computes {times:.1f}x longer than {names}; {wait} (a straggler): work "
         "that only this rank does (logging, evaluation, a larger share of the data), or a "

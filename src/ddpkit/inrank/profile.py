@@ -22,7 +22,9 @@ evaluation is left out of the step (`outside`).
 On GPUs the marks are CUDA events on the current stream, read once they have completed
 (a step or two later, by `query()`): no synchronisation per step. A part then measures
 what the GPU's stream spent there: a data wait that the GPU's queued work hid counts
-as none. On CPUs the marks are `time.perf_counter()`.
+as none. On CPUs the marks are `time.perf_counter()` and the main thread's CPU time,
+which tells a rank that computes slowly from one that other processes keep off its
+core (`compute_cpu`).
 
 Off (never started) this costs nothing; on, a few microseconds per batch and step.
 Under `ddpkit run` each rank writes what it measured to `rank<N>.profile.json` every
@@ -44,11 +46,13 @@ from typing import Any
 from ddpkit.inrank.breakdown import Breakdown
 from ddpkit.storage import write_json
 
-# Set by `ddpkit run --profile` for its workers.
+# Set by `ddpkit run --profile` for its workers: the seconds between two writes of a
+# rank's measurements.
 PROFILE_ENV = "DDPKIT_PROFILE"
 _FILE = "rank{rank}.profile.json"
-# Seconds between two writes of a rank's file, and between two snapshots of its totals
-# (the breakdown over time); the most snapshots kept (then every other one goes).
+# Seconds between two writes of a rank's file, and so between two snapshots of its
+# totals (the breakdown over time), at most; the most snapshots kept (then every other
+# one goes).
 DUMP_EVERY_S = 5.0
 _MOST_SNAPSHOTS = 512
 # The first steps pay for warming up (allocations, autotuning): the totals after them
@@ -85,11 +89,12 @@ class Profiler:
         self._ended = 0  # steps ended (read or not)
         self.warm: Breakdown | None = None  # the totals after WARMUP_STEPS steps
         self.stop_after = 0  # end the process after this many steps (0: never)
+        self.dump_every = DUMP_EVERY_S
 
     # -- marks ----------------------------------------------------------------------
     def mark(self) -> Mark:
         if not self.cuda:
-            return time.perf_counter()
+            return time.perf_counter(), time.thread_time()
         import torch
 
         event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -98,8 +103,12 @@ class Profiler:
 
     def _seconds(self, start: Mark, end: Mark) -> float:
         if not self.cuda:
-            return float(end - start)
+            return float(end[0] - start[0])
         return float(start.elapsed_time(end)) / 1000.0
+
+    def _cpu(self, start: Mark, end: Mark) -> float:
+        """The seconds this thread ran between two marks (0 on GPUs: not measured)."""
+        return 0.0 if self.cuda else float(end[1] - start[1])
 
     def _ready(self, end: Mark) -> bool:
         return True if not self.cuda else bool(end.query())
@@ -191,7 +200,7 @@ class Profiler:
         if self.stop_after and self._ended >= self.stop_after:
             self.dump(final=True)
             raise SystemExit(0)  # a baseline's steps are done: `finally` blocks run
-        if self._file is not None and time.perf_counter() - self._dumped >= DUMP_EVERY_S:
+        if self._file is not None and time.perf_counter() - self._dumped >= self.dump_every:
             self.dump()
 
     def _read(self, wait: bool) -> None:
@@ -203,10 +212,13 @@ class Profiler:
                 end.synchronize()
             self._unread.popleft()
             step = Breakdown(steps=1, samples=samples)
+            cpu = self._cpu(start, end) - sum(self._cpu(a, b) for a, b in left_out)
             for part, a, b in parts:
                 setattr(step, part, getattr(step, part) + max(self._seconds(a, b), 0.0))
+                cpu -= self._cpu(a, b)
             wall = self._seconds(start, end) - sum(self._seconds(a, b) for a, b in left_out)
             step.compute = max(wall - step.total, 0.0)
+            step.compute_cpu = min(max(cpu, 0.0), step.compute)
             self.total.add(step)
 
     def snapshot(self) -> Breakdown:
@@ -371,4 +383,5 @@ def from_env(rank: int, folder: Path) -> Profiler | None:
         return None
     prof = start(folder=folder, rank=rank)
     prof.stop_after = int(os.environ.get(STOP_AFTER_ENV, "0"))
+    prof.dump_every = float(os.environ[PROFILE_ENV])
     return prof

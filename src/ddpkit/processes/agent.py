@@ -46,7 +46,7 @@ from ddpkit.inrank.preemption import (  # noqa: E402
     STOP_SIGNALS,
     TRAINED_NOTE,
 )
-from ddpkit.inrank.profile import PROFILE_ENV  # noqa: E402
+from ddpkit.inrank.profile import DUMP_EVERY_S, PROFILE_ENV  # noqa: E402
 from ddpkit.inrank.watchdog import descendants  # noqa: E402
 from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
@@ -119,7 +119,8 @@ def run_script(
     if on_audit is not None:
         env[AUDIT_ENV] = "1"
     if on_profile is not None:
-        env[PROFILE_ENV] = "1"
+        # Each rank writes its measurements often enough for every verdict to be fresh.
+        env[PROFILE_ENV] = str(min(DUMP_EVERY_S, profile_every / 2))
     if opts.cpu:
         env[REHEARSE_ENV] = "1"
     if not single:

@@ -100,14 +100,17 @@ class ProfileWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.every):
             totals = {r: p.total for r, p in read_profiles(self.folder()).items()}
-            recent = {
-                r: b.since(self._seen[r]) if r in self._seen else b for r, b in totals.items()
-            }
+            recent = {r: b.since(self._seen.get(r, Breakdown())) for r, b in totals.items()}
+            if not any(b.steps for b in recent.values()):
+                continue  # nothing new measured (the job starting, say): nothing to say
             self._seen = totals
-            minutes = self.every / 60
-            lines = verdict(recent)
             print(
-                f"ddpkit profile, the last {minutes:.0f} min: " + "\n  ".join(lines),
+                f"ddpkit profile, the last {_duration(self.every)}: "
+                + "\n  ".join(verdict(recent)),
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"

@@ -6,6 +6,11 @@ A run folder holds `metrics.jsonl`, one JSON object per line. The lines ddpkit p
      "samples_per_s": 15300.0, "lr": 0.001, "grad_norm": 1.7}
     {"kind": "epoch", "step": 230, "epoch": 1, "time": 12.9, "samples_seen": 58880, "loss": 0.12,
      "eval_loss": 0.09, "accuracy": 0.981}
+    {"kind": "profile", "step": 230, "time": 12.9, "rank": 1, "steps": 230, "data_ms": 3.1,
+     "compute_ms": 20.4, "comm_ms": 1.2, "optimizer_ms": 0.8, "ddpkit_ms": 0.1}
+
+(the last: `--profile`'s breakdown of one rank's steps since its record before, drawn in
+`profile.png`: a stacked bar per rank, and the breakdown over the steps).
 
 Any field may be missing or null; unknown kinds are ignored, and malformed lines and values
 of plotted fields that are not numbers (text, true/false) are skipped with a warning. NaN,
@@ -33,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.inrank.breakdown import PARTS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -44,6 +50,7 @@ log = logging.getLogger("ddpkit")
 
 METRICS_FILE = "metrics.jsonl"
 _KINDS = ("step", "epoch")
+_READ = (*_KINDS, "profile")
 # The fields drawn besides the eval metrics (every other field of an epoch line).
 _X_FIELDS = ("step", "epoch", "time", "samples_seen")  # epoch: eval.png's
 _PLOTTED = frozenset((*_X_FIELDS, "loss", "eval_loss", "samples_per_s", "lr", "grad_norm"))
@@ -163,7 +170,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
                     obj = None
                 if not isinstance(obj, dict):
                     bad.append(str(lineno))
-                elif obj.get("kind") in _KINDS:
+                elif obj.get("kind") in _READ:
                     records.append(obj)
                     not_numbers += [f"line {lineno} {k!r}: {v}" for k, v in _not_numbers(obj)]
     except OSError as exc:
@@ -177,7 +184,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
             shown = ", ".join(skipped[:_SHOWN_BAD_LINES])
             log.warning("skipped %d " + what, len(skipped), path, shown, more)
     if not records:
-        what = "is empty" if not seen_any else "holds no 'step' or 'epoch' line"
+        what = "is empty" if not seen_any else "holds no 'step', 'epoch' or 'profile' line"
         raise ConfigError(
             f"{path} {what}: expected one JSON object per line such as "
             '{"kind": "step", "step": 1, "loss": 0.5}; did the run log any step?'
@@ -268,6 +275,7 @@ def _charts(runs: Sequence[_Run], x: str) -> dict[str, Figure]:
         "throughput.png": _throughput_chart(runs, throughput_axes),
         "lr.png": _line_chart(runs, axis, "Learning rate", _LR_SERIES, 4.5),
         "grad_norm.png": _line_chart(runs, axis, "Gradient norm", _GRAD_NORM_SERIES, 4.5),
+        "profile.png": _profile_chart(runs, axis),
     }
     return {name: fig for name, fig in charts.items() if fig is not None}
 
@@ -639,3 +647,67 @@ def _throughput_chart(runs: Sequence[_Run], axes: Sequence[_Axis]) -> Figure | N
     _legends(panels[-1], _run_keys(runs), used)
     fig.suptitle(_title("Throughput", runs))
     return fig
+
+
+# --profile's parts, in PARTS' order, each in a colour of its own.
+_PART_COLORS = {"data": "C1", "compute": "C0", "comm": "C3", "optimizer": "C2", "ddpkit": "C7"}
+
+
+def _profile_chart(runs: Sequence[_Run], axis: _Axis) -> Figure | None:
+    """--profile's breakdown, a row per run: each rank's milliseconds per step as a
+    stacked bar (the whole run), and over `axis` the mean of the ranks' as stacked areas;
+    None when no run was profiled."""
+    profiled = [(run, _profiles(run)) for run in runs]
+    profiled = [(run, ranks) for run, ranks in profiled if ranks]
+    if not profiled:
+        return None
+    fig = _new_figure(12.0, 1.5 + 3.5 * len(profiled))
+    rows = fig.subplots(len(profiled), 2, squeeze=False, width_ratios=(1, 2))
+    for (bars, areas), (run, ranks) in zip(rows, profiled, strict=True):
+        names = [f"rank {rank}" for rank in ranks]
+        left = [0.0] * len(ranks)
+        for part in PARTS:
+            widths = [_mean_ms(records, part) for records in ranks.values()]
+            bars.barh(names, widths, left=left, color=_PART_COLORS[part], label=part)
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+        bars.invert_yaxis()  # rank 0 on top
+        _style_axes(bars, _title("Step time by rank", [run]), "ms per step", "")
+        xs, stacks = _over(ranks, axis)
+        areas.stackplot(xs, *stacks, colors=[_PART_COLORS[p] for p in PARTS], labels=PARTS)
+        _style_axes(areas, "Mean of the ranks over the run", axis.label, "ms per step")
+        _format_x(areas, axis)
+    rows[0][1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=9)
+    return fig
+
+
+def _profiles(run: _Run) -> dict[int, list[dict[str, Any]]]:
+    """The run's profile records by rank, in rank order."""
+    ranks: dict[int, list[dict[str, Any]]] = {}
+    for record in run.records:
+        rank = _number(record.get("rank"))
+        if record.get("kind") == "profile" and rank is not None and _number(record.get("steps")):
+            ranks.setdefault(int(rank), []).append(record)
+    return dict(sorted(ranks.items()))
+
+
+def _mean_ms(records: list[dict[str, Any]], part: str) -> float:
+    """Milliseconds per step of `part` over the records (each weighs its steps)."""
+    steps = sum(_number(r.get("steps")) or 0.0 for r in records)
+    total = sum(
+        (_number(r.get(f"{part}_ms")) or 0.0) * (_number(r.get("steps")) or 0.0) for r in records
+    )
+    return total / steps if steps else 0.0
+
+
+def _over(
+    ranks: dict[int, list[dict[str, Any]]], axis: _Axis
+) -> tuple[list[float], list[list[float]]]:
+    """The mean over ranks of each part's ms per step, at each x of the records."""
+    at: dict[float, list[dict[str, Any]]] = {}
+    for records in ranks.values():
+        for record in records:
+            x = _number(record.get(axis.field))
+            if x is not None:
+                at.setdefault(x / axis.scale, []).append(record)
+    xs = sorted(at)
+    return xs, [[_mean_ms(at[x], part) for x in xs] for part in PARTS]
