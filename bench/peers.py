@@ -26,6 +26,22 @@ Two measurements, for 1 and 2 processes:
   default on the cnn job only (`--start-workloads`): the others build another model
   (a few MB) and start the same way.
 
+A third, with `--short` (and only then): short runs, the whole training call.
+
+- Short runs: what a run pays once or once per epoch (set-up of the first step, a
+  checkpoint's wait for the disk at the end of `fit`, run-log files) is lost in the
+  throughput above, which times the batch loops of long runs; a run of a few seconds
+  feels it. `hand` and `ddpkit` only, each in a launch of its own (started as for
+  start-up, alternating who goes first), timed on rank 0 from the start of the
+  training call (`train()`, `fit()`) to its return, checkpoints included; process
+  start-up is not counted, and the set-up before the call (data, model, optimizer,
+  wrapping) is reported beside it. Two jobs (`SHORT_RUNS`): `mlp` on one process, 2
+  epochs of 4,096 samples (under a second on 2 cores); the tutorial's `linear` on 2
+  ranks, 10 epochs of 20,480 samples (about 6 s), with a checkpoint after each epoch
+  (the tutorial's: rank 0 `torch.save`s the model's state dict; ddpkit's:
+  `checkpoint_dir`). The ratio is hand's time over ddpkit's (>= 1: ddpkit is at least
+  as fast). Results go to bench/results/peers_short.json.
+
 Every run checks that the framework saw N ranks, wrapped the model in DDP when N > 1,
 and that all ranks ended with the same parameters (gradient sync happened). Where the
 data order is the same (ddpkit; with two ranks also fabric, whose sampler is the
@@ -40,6 +56,7 @@ compare like with like (scaling efficiency); start-up launches give each rank
     .venv/bin/python bench/peers.py --quick          # smoke run, about 80 s
     .venv/bin/python bench/peers.py --settle 30 --markdown   # the README's tables
     .venv/bin/python bench/peers.py --contestants hand,ddpkit   # without the extra
+    .venv/bin/python bench/peers.py --short --markdown   # short runs only, about 3 min
     .venv/bin/python bench/plot_peers.py bench/results/peers.json docs/bench-peers.png
 
 Without Accelerate or Lightning Fabric installed it stops with a one-line error that
@@ -63,7 +80,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +103,7 @@ from ddpkit.processes.workers import exit_now
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "peers.json"
+SHORT_OUT = HERE / "results" / "peers_short.json"
 CONTESTANTS = ("hand", "ddpkit", "accelerate", "fabric")
 PEERS = {"accelerate": "accelerate", "fabric": "lightning_fabric"}  # contestant -> module
 SYNCBN = "ddpkit+syncbn"  # only ddpkit can sync BatchNorm on CPU: its cost against plain BN
@@ -102,6 +120,28 @@ TARGET_SYNCBN = 1.10  # plain-BN samples/s over synchronised-BN samples/s <= 1.1
 TARGET_SCALING = 0.75  # MLP samples/s at 2 ranks >= 0.75 x 2 x one process's
 QUICK_EPOCHS = {"linear": 8, "mlp": 1, "cnn": 1}
 Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ShortRun:
+    """A job of a few seconds of training, as an outside harness timed it (issue 47)."""
+
+    name: str
+    workload: Workload
+    nprocs: int
+    checkpoint: bool  # after each epoch
+
+
+SHORT_RUNS = (
+    ShortRun("mlp/1", replace(WORKLOADS["mlp"], epochs=2), 1, checkpoint=False),
+    ShortRun(
+        "linear/2 + checkpoints",
+        replace(WORKLOADS["linear"], samples=20_480, epochs=10),
+        2,
+        checkpoint=True,
+    ),
+)
+SHORT_CONTESTANTS = ("hand", "ddpkit")
 
 
 # -- throughput: one launch, every contestant in turn -----------------------------------
@@ -200,10 +240,14 @@ def throughput_launch(
 
 
 # -- start-up and memory: one launch per contestant, started its own way ----------------
-def start_command(contestant: str, workload: Workload, nprocs: int, out: Path) -> list[str]:
-    """The command a user of `contestant` types to start this job."""
+def start_command(
+    contestant: str, workload: Workload, nprocs: int, out: Path, checkpoint: bool = False
+) -> list[str]:
+    """The command a user of `contestant` types to start this job (`checkpoint`: after
+    each epoch, into a folder of `out`)."""
     script = [str(HERE / "peers_jobs.py"), contestant, workload.name, str(nprocs), str(out)]
-    script.append(str(workload.epochs))
+    script += [str(workload.epochs), "--samples", str(workload.samples)]
+    script += ["--checkpoint"] if checkpoint else []
     if contestant != "accelerate":
         return [sys.executable, *script]
     accelerate = Path(sys.executable).with_name("accelerate")
@@ -266,6 +310,152 @@ def start_launch(contestant: str, workload: Workload, nprocs: int) -> dict[str, 
 
 def _one_start(contestant: str, workload: Workload, nprocs: int) -> list[dict[str, Any]]:
     return [start_launch(contestant, workload, nprocs)]
+
+
+# -- short runs: one launch per run, the whole training call ----------------------------
+def short_launch(contestant: str, run: ShortRun) -> list[dict[str, Any]]:
+    """One short run from a fresh command: rank 0's set-up and training-call times."""
+    with tempfile.TemporaryDirectory(prefix="ddpkit-peers-short-") as tmp:
+        cmd = start_command(contestant, run.workload, run.nprocs, Path(tmp), run.checkpoint)
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=HERE.parent)
+        exit_s = time.perf_counter() - t0
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("rank*.json"))]
+    if len(ranks) != run.nprocs:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(
+            f"{contestant} short run ({' '.join(cmd)}) exited {proc.returncode} with "
+            f"{len(ranks)} of {run.nprocs} rank reports:\n{tail}"
+        )
+    ranks.sort(key=lambda r: r["rank"])
+    # Rank 0's times: it writes the checkpoints, so their cost lands there.
+    return [
+        {
+            "contestant": contestant,
+            "setup_s": ranks[0]["setup_s"],
+            "fit_s": ranks[0]["fit_s"],
+            "train_s": ranks[0]["train_s"],
+            "fit_s_per_rank": [r["fit_s"] for r in ranks],
+            "exit_s": exit_s,  # the whole command, process start-up included
+            "world_sizes": [r["world_size"] for r in ranks],
+            "digests": [r["model_digest"] for r in ranks],
+            "returncode": proc.returncode,
+        }
+    ]
+
+
+def run_short(
+    repeats: int, say: Say, settle_s: float = 0.0, retries: int = 2
+) -> list[dict[str, Any]]:
+    """Every short run `repeats` times per contestant, in alternating order."""
+    records: list[dict[str, Any]] = []
+    for repeat in range(repeats):
+        for job in SHORT_RUNS:
+            done = []
+            for name in _order(SHORT_CONTESTANTS, repeat):
+                launch = functools.partial(short_launch, name, job)
+                (record,), foreign, attempt = measured(launch, settle_s, retries, say)
+                cell = {"run": job.name, "repeat": repeat, "foreign_load": foreign}
+                done.append({**cell, **record, "attempt": attempt})
+            records += done
+            times = "  ".join(f"{r['contestant']} {r['fit_s']:.3f}s" for r in done)
+            say(f"  [short {repeat + 1}] {job.name}: training call {times}")
+    return records
+
+
+def summarize_short(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per short run: each contestant's median set-up and training-call time; hand's
+    over ddpkit's (>= 1: ddpkit is at least as fast), of the medians and per repeat."""
+    rows = []
+    for name in dict.fromkeys(r["run"] for r in records):
+        mine = [r for r in records if r["run"] == name]
+        per: dict[str, dict[str, Any]] = {}
+        for c in SHORT_CONTESTANTS:
+            rs = [r for r in mine if r["contestant"] == c]
+            per[c] = {
+                "fit_s": [r["fit_s"] for r in rs],
+                "fit_median": _median(r["fit_s"] for r in rs),
+                "setup_median": _median(r["setup_s"] for r in rs),
+                "total_median": _median(r["setup_s"] + r["fit_s"] for r in rs),
+                "digests": sorted({d for r in rs for d in r["digests"]}),
+                "world_sizes": sorted({w for r in rs for w in r["world_sizes"]}),
+            }
+        hand, ours = per["hand"], per["ddpkit"]
+        by = {(r["repeat"], r["contestant"]): r["fit_s"] for r in mine}
+        paired = [
+            by[(k, "hand")] / by[(k, "ddpkit")]
+            for k in sorted({r["repeat"] for r in mine})
+            if (k, "hand") in by and (k, "ddpkit") in by
+        ]
+        rows.append(
+            {
+                "run": name,
+                "nprocs": next(j.nprocs for j in SHORT_RUNS if j.name == name),
+                "contestants": per,
+                "ratio": _ratio(hand["fit_median"], ours["fit_median"]),
+                "paired_ratios": paired,
+                "paired_ratio_median": _median(paired),
+                "ratio_with_setup": _ratio(hand["total_median"], ours["total_median"]),
+                # Both train the same batches in the same order: the same model, bit for bit.
+                "same_model": len(hand["digests"]) == 1 and hand["digests"] == ours["digests"],
+            }
+        )
+    return rows
+
+
+def short_table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    """Medians of rank 0's training call (and set-up), and hand's over ddpkit's."""
+    head = [
+        "short run",
+        "hand s",
+        "ddpkit s",
+        "hand/ddpkit",
+        "paired (min-max)",
+        "set-up s hand/ddpkit",
+        "with set-up",
+    ]
+    body = []
+    for r in rows:
+        hand, ours, paired = (
+            r["contestants"]["hand"],
+            r["contestants"]["ddpkit"],
+            r["paired_ratios"],
+        )
+        spread = f"{min(paired):.2f}-{max(paired):.2f}" if paired else "-"
+        body.append(
+            [
+                r["run"],
+                _num(hand["fit_median"], ".3f"),
+                _num(ours["fit_median"], ".3f"),
+                _num(r["ratio"], ".3f"),
+                f"{_num(r['paired_ratio_median'], '.3f')} ({spread})",
+                f"{_num(hand['setup_median'], '.2f')}/{_num(ours['setup_median'], '.2f')}",
+                _num(r["ratio_with_setup"], ".3f"),
+            ]
+        )
+    return _render(head, body, markdown)
+
+
+def short_report(rows: list[dict[str, Any]], markdown: bool) -> str:
+    parts = [
+        "Short runs: rank 0's training call (train()/fit(), checkpoints included), median s; "
+        "hand/ddpkit >= 1: ddpkit is at least as fast",
+        short_table(rows, markdown),
+    ]
+    problems = [
+        f"- {r['run']}: ddpkit's model is not the hand-written loop's"
+        for r in rows
+        if not r["same_model"]
+    ]
+    problems += [
+        f"- {r['run']} {name}: saw world size(s) {c['world_sizes']}, not {r['nprocs']}"
+        for r in rows
+        for name, c in r["contestants"].items()
+        if c["world_sizes"] != [r["nprocs"]]
+    ]
+    verdict = "both saw every rank and ended with the same model"
+    parts += ["", "Checks: " + ("" if problems else verdict)]
+    return "\n".join(parts + problems)
 
 
 # -- the schedule -----------------------------------------------------------------------
@@ -723,7 +913,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated, of %(default)s; hand,ddpkit needs no extra packages",
     )
     p.add_argument("--quick", action="store_true", help="a smoke run (about 80 s)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file (default %(default)s)")
+    p.add_argument(
+        "--short",
+        action="store_true",
+        help="only the short runs: hand vs ddpkit, whole training call (about 3 min)",
+    )
+    p.add_argument(
+        "--short-repeats",
+        type=int,
+        default=5,
+        help="with --short: launches per contestant and short run (default 5)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"JSON file (default {DEFAULT_OUT}; with --short, {SHORT_OUT})",
+    )
     p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
     add_settle_args(p)
     args = p.parse_args(argv)
@@ -734,8 +939,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.workloads = choose(p, "--workloads", args.workloads, WORKLOADS)
     args.start_workloads = choose(p, "--start-workloads", args.start_workloads, WORKLOADS)
     args.contestants = choose(p, "--contestants", args.contestants, CONTESTANTS)
+    # The short runs have hand and ddpkit only: they need no extra.
     missing = [
-        m for c, m in PEERS.items() if c in args.contestants and importlib.util.find_spec(m) is None
+        m
+        for c, m in PEERS.items()
+        if c in args.contestants and not args.short and importlib.util.find_spec(m) is None
     ]
     if missing:
         p.error(
@@ -743,20 +951,66 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             "(or pass --contestants hand,ddpkit)"
         )
     if (
-        min(args.repeats, args.rounds, *args.nprocs) < 1
+        min(args.repeats, args.rounds, args.short_repeats, *args.nprocs) < 1
         or min(args.start_repeats, args.retries, args.settle) < 0
     ):
         p.error(
-            "--repeats, --rounds and --nprocs must be >= 1; "
+            "--repeats, --rounds, --short-repeats and --nprocs must be >= 1; "
             "--start-repeats, --retries and --settle >= 0"
         )
     if args.quick:
         args.repeats, args.rounds, args.start_repeats = 1, 1, 1
+    if args.out is None:
+        args.out = SHORT_OUT if args.short else DEFAULT_OUT
     return args
+
+
+def short_main(args: argparse.Namespace) -> int:
+    """`--short`: the short runs alone (hand and ddpkit: no extra packages needed)."""
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        **_versions(SHORT_CONTESTANTS),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": threads_for(1),
+        "loadavg_start": os.getloadavg()[0],
+        "short_repeats": args.short_repeats,
+        "settle_s": args.settle,
+        "retries": args.retries,
+        "busy_limit": BUSY_LIMIT,
+        "runs": {
+            r.name: {**asdict(r.workload), "nprocs": r.nprocs, "checkpoint": r.checkpoint}
+            for r in SHORT_RUNS
+        },
+        "measure": "rank 0: from the start of train()/fit() to its return, checkpoints "
+        "included; set-up (data, model, optimizer, wrapping) apart; no process start-up",
+    }
+    start = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"{time.perf_counter() - start:5.0f}s {text}", file=sys.stderr, flush=True)
+
+    say(
+        f"short runs, {meta['date']}: torch {meta['torch']}, {meta['cpu_count']} CPU(s), "
+        f"{args.short_repeats} launch(es) per contestant and run"
+    )
+    records = run_short(args.short_repeats, say, args.settle, args.retries)
+    rows = summarize_short(records)
+    meta["loadavg_end"] = os.getloadavg()[0]
+    meta["elapsed_s"] = round(time.perf_counter() - start, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": meta, "rows": rows, "records": records}
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(short_report(rows, args.markdown))
+    warn_if_contended(records, say)
+    say(f"wrote {args.out} ({meta['elapsed_s']}s)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.short:
+        return short_main(args)
     workloads = [WORKLOADS[name] for name in args.workloads]
     if args.quick:
         workloads = [replace(w, epochs=QUICK_EPOCHS[w.name]) for w in workloads]

@@ -16,22 +16,30 @@
   group, the least work any rank does before its first step.
 
 Every contestant trains the same model from the same seed with the same per-rank batch
-size, and is timed the same way: the summed time of the epochs' batch loops.
+size, and is timed the same way: the summed time of the epochs' batch loops; beside it,
+the whole training call (`wall_s`: `fit()`, `train()`, the loop) and the set-up before it
+(`setup_s`: data, model, optimizer, wrapping; not the processes or their group). Where a
+workload names a `checkpoint_dir`, `hand` saves the tutorial's checkpoint after each
+epoch and `ddpkit` is given the folder (`TrainConfig(checkpoint_dir=...)`).
 
 Run as a script, this module is what one start-up launch of `peers.py` runs, started
 the way each contestant's docs start a job (the parent times it from just before it
 starts the command):
 
     python bench/peers_jobs.py hand|ddpkit|ddpkit+syncbn|fabric|floor WORKLOAD NPROCS OUTDIR EPOCHS
+        [--samples N] [--checkpoint]
     accelerate launch --multi_gpu --num_processes 2 bench/peers_jobs.py accelerate ...
 
 Each rank writes OUTDIR/rank<R>.json: the wall-clock time of its first optimizer step,
-its peak resident memory (`ru_maxrss`) after training, and the world size it saw.
+its peak resident memory (`ru_maxrss`) after training, the world size it saw, and how
+long its set-up and its training call took. `--samples` sizes the dataset (default:
+the workload's); `--checkpoint` checkpoints after each epoch into OUTDIR/checkpoints.
 It imports only what its contestant needs, so import time is counted fairly.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -79,6 +87,7 @@ class Run:
     world_size: int  # as the contestant's framework reports it
     ddp: bool  # the model it trained was wrapped in DistributedDataParallel
     cpu_s: float = 0.0  # CPU time of this process (all its threads) over the same span
+    setup_s: float = 0.0  # data, model, optimizer and wrapping, before the training call
 
     @property
     def samples_per_s(self) -> float:
@@ -119,18 +128,34 @@ def train_hand(
     workload: Workload, world_size: int, round: int = 0, first_step: FirstStep | None = None
 ) -> Run:
     """The tutorial's `main`, after its `ddp_setup` (on the GPU of its rank under nccl)."""
+    setup = time.perf_counter()
     rank = dist.get_rank()
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else CPU
     dataset, model, optimizer = load_train_objs(workload)
     _on_first_step(optimizer, first_step)
     train_data = prepare_dataloader(dataset, workload.batch_size, pin=device.type == "cuda")
-    trainer = TutorialTrainer(model, train_data, optimizer, rank, device, loss_fn(workload))
+    folder = workload.checkpoint_dir
+    checkpoint = None if folder is None else Path(folder, "checkpoint.pt")
+    trainer = TutorialTrainer(
+        model, train_data, optimizer, rank, device, loss_fn(workload), checkpoint
+    )
     start, cpu = time.perf_counter(), time.process_time()
     train_s = trainer.train(workload.epochs)
     wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu
     samples = len(train_data.sampler) * world_size * workload.epochs  # type: ignore[arg-type]
     ddp = _has_ddp(trainer.model)
-    return Run("hand", round, samples, train_s, wall_s, digest(model), world_size, ddp, cpu_s)
+    return Run(
+        "hand",
+        round,
+        samples,
+        train_s,
+        wall_s,
+        digest(model),
+        world_size,
+        ddp,
+        cpu_s,
+        setup_s=start - setup,
+    )
 
 
 def _train_ddpkit(
@@ -142,6 +167,7 @@ def _train_ddpkit(
 ) -> Run:
     import ddpkit
 
+    setup = time.perf_counter()
     ctx = ddpkit.DistContext.current()
     dataset, model, optimizer = load_train_objs(workload)
     _on_first_step(optimizer, first_step)
@@ -150,6 +176,7 @@ def _train_ddpkit(
         batch_size=workload.batch_size,
         sync_batchnorm=sync_batchnorm,
         grad_compression=grad_compression,  # type: ignore[arg-type]
+        checkpoint_dir=workload.checkpoint_dir,  # save_every=1: after each epoch
         progress=False,
     )
     trainer = ddpkit.Trainer(
@@ -168,7 +195,18 @@ def _train_ddpkit(
         else "ddpkit"
     )
     bare, ddp = ddpkit.unwrap(trainer.model), _has_ddp(trainer.model)
-    return Run(name, round, samples, train_s, wall_s, digest(bare), ctx.world_size, ddp, cpu_s)
+    return Run(
+        name,
+        round,
+        samples,
+        train_s,
+        wall_s,
+        digest(bare),
+        ctx.world_size,
+        ddp,
+        cpu_s,
+        setup_s=start - setup,
+    )
 
 
 def train_ddpkit(
@@ -306,14 +344,18 @@ def quiet_peers() -> None:
 
 
 # -- one start-up launch (the script) ---------------------------------------------------
-def _report(out: Path, first_step_at: float | None, world_size: int, rank: int) -> None:
+def _report(out: Path, first_step_at: float | None, run: Run, rank: int) -> None:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     record = {
         "rank": rank,
-        "world_size": world_size,
+        "world_size": run.world_size,
         "first_step_at": first_step_at,
         "max_rss_kb": usage.ru_maxrss,  # kilobytes on Linux
         "pid": os.getpid(),
+        "setup_s": run.setup_s,
+        "fit_s": run.wall_s,  # the training call, checkpoints included
+        "train_s": run.train_s,
+        "model_digest": run.model_digest,
     }
     (out / f"rank{rank}.json").write_text(json.dumps(record))
 
@@ -324,7 +366,7 @@ def _timed(contestant: str, workload: Workload, world_size: int, out: Path) -> N
     first: list[float] = []
     run = TRAIN[contestant](workload, world_size, 0, lambda: first.append(time.time()))
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    _report(out, first[0] if first else None, run.world_size, rank)
+    _report(out, first[0] if first else None, run, rank)
 
 
 def _hand_rank(rank: int, world_size: int, workload: Workload, port: int, out: str) -> None:
@@ -358,16 +400,23 @@ def start(contestant: str, workload: Workload, nprocs: int, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 5 or argv[0] not in TRAIN or argv[1] not in WORKLOADS:
-        print(
-            f"usage: peers_jobs.py {{{','.join(TRAIN)}}} {{{','.join(WORKLOADS)}}} "
-            "NPROCS OUTDIR EPOCHS",
-            file=sys.stderr,
-        )
-        return 2
-    contestant, name, nprocs, out, epochs = argv
-    workload = replace(WORKLOADS[name], epochs=int(epochs))
-    start(contestant, workload, int(nprocs), Path(out))
+    p = argparse.ArgumentParser(prog="peers_jobs.py", description="one launch of peers.py")
+    p.add_argument("contestant", choices=list(TRAIN))
+    p.add_argument("workload", choices=list(WORKLOADS))
+    p.add_argument("nprocs", type=int)
+    p.add_argument("out", type=Path, help="the folder each rank writes rank<R>.json to")
+    p.add_argument("epochs", type=int)
+    p.add_argument("--samples", type=int, help="dataset size (default: the workload's)")
+    p.add_argument("--checkpoint", action="store_true", help="checkpoint after each epoch")
+    args = p.parse_args(argv)
+    workload = replace(WORKLOADS[args.workload], epochs=args.epochs)
+    if args.samples is not None:
+        workload = replace(workload, samples=args.samples)
+    if args.checkpoint:
+        folder = args.out / "checkpoints"
+        folder.mkdir(parents=True, exist_ok=True)  # the tutorial's torch.save needs it
+        workload = replace(workload, checkpoint_dir=str(folder))
+    start(args.contestant, workload, args.nprocs, args.out)
     return 0
 
 

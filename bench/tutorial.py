@@ -4,8 +4,10 @@ The hand-written contestant of `overhead.py` and `peers.py`: its `Trainer` with
 `_run_batch` and `_run_epoch`, `DistributedSampler` + `shuffle=False` + `set_epoch`,
 `DDP(model)` and `init_process_group`, changed only where the tutorial cannot run here:
 MSE loss (its `cross_entropy` on one logit never learns), a seeded dataset identical on
-every rank, a rendezvous store on a port the OS picked instead of 12355, and neither the
-per-epoch print nor checkpoints (the other contestants save none either).
+every rank, a rendezvous store on a port the OS picked instead of 12355, and no per-epoch
+print. It checkpoints only when a workload asks for it (`Workload.checkpoint_dir`, the
+short runs of `peers.py`), as the tutorial does: rank 0 `torch.save`s the model's state
+dict after each epoch, to one file it overwrites.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +48,9 @@ class Workload:
     epochs: int
     lr: float
     classify: bool = False  # cross-entropy over class labels instead of MSE
+    # A checkpoint after each epoch into this folder (the same on every rank); None: none.
+    # Set by the launch that runs it (a temporary folder), never in WORKLOADS.
+    checkpoint_dir: str | None = None
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -188,8 +194,10 @@ class TutorialTrainer:
         rank: int,
         device: torch.device,
         loss: Any = F.mse_loss,
+        checkpoint: Path | None = None,
     ) -> None:
         self.rank = rank
+        self.checkpoint = checkpoint  # the tutorial's "checkpoint.pt", saved every epoch
         self.device = device
         model = model.to(device)
         self.model = DDP(model, device_ids=[rank]) if device.type == "cuda" else DDP(model)
@@ -217,11 +225,18 @@ class TutorialTrainer:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    def _save_checkpoint(self, path: Path) -> None:
+        """The tutorial's: the bare model's state dict, by `torch.save` (no optimizer, no
+        fsync, no temporary file: a crash mid-write leaves it damaged)."""
+        torch.save(self.model.module.state_dict(), path)
+
     def train(self, max_epochs: int) -> float:
         """Trains; returns the summed time of the epochs' batch loops."""
         train_s = 0.0
         for epoch in range(max_epochs):
             train_s += self._run_epoch(epoch)
+            if self.rank == 0 and self.checkpoint is not None:  # save_every = 1
+                self._save_checkpoint(self.checkpoint)
         return train_s
 
 
