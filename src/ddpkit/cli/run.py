@@ -117,6 +117,15 @@ def _options_parser() -> argparse.ArgumentParser:
         default="text",
         help="the audit's report: lines as `ddpkit check` prints them (default), or JSON",
     )
+    _add_profile_flags(p)
+    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def _add_profile_flags(p: argparse.ArgumentParser) -> None:
+    """--profile and the flags that go with it."""
     p.add_argument(
         "--profile",
         action="store_true",
@@ -139,10 +148,6 @@ def _options_parser() -> argparse.ArgumentParser:
         "--profile's scaling efficiency (samples/s of N ranks over N times one rank's; "
         "implies --profile)",
     )
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
-    p.add_argument("script", nargs="?", help="the training script")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    return p
 
 
 def parse_options(argv: list[str]) -> argparse.Namespace:

@@ -84,15 +84,20 @@ class Profiler:
         self._optimizer_start: Mark = None
         self._last_gradient: Mark = None
         self._watched: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._gradients: list[_LastGradient] = []
         self._dumped = self._born  # the first write after DUMP_EVERY_S
         self._file: Path | None = None
         self._ended = 0  # steps ended (read or not)
         self.warm: Breakdown | None = None  # the totals after WARMUP_STEPS steps
         self.stop_after = 0  # end the process after this many steps (0: never)
         self.dump_every = DUMP_EVERY_S
+        # When (time.perf_counter(), on the host) the first step began and the last ended.
+        self.first_step_at: float | None = None
+        self.last_step_at: float | None = None
 
     # -- marks ----------------------------------------------------------------------
     def mark(self) -> Mark:
+        """Now: (wall seconds, this thread's CPU seconds) on CPUs, else a CUDA event."""
         if not self.cuda:
             return time.perf_counter(), time.thread_time()
         import torch
@@ -101,14 +106,22 @@ class Profiler:
         event.record()
         return event
 
+    def _wall_mark(self) -> Mark:
+        """`mark` without the CPU time (half a microsecond) where the thread waits: the
+        CPU it uses there counts as compute's."""
+        return (time.perf_counter(), None) if not self.cuda else self.mark()
+
     def _seconds(self, start: Mark, end: Mark) -> float:
         if not self.cuda:
             return float(end[0] - start[0])
         return float(start.elapsed_time(end)) / 1000.0
 
     def _cpu(self, start: Mark, end: Mark) -> float:
-        """The seconds this thread ran between two marks (0 on GPUs: not measured)."""
-        return 0.0 if self.cuda else float(end[1] - start[1])
+        """The seconds this thread ran between two marks (0 where not measured: on GPUs,
+        and where a mark has no CPU time)."""
+        if self.cuda or start[1] is None or end[1] is None:
+            return 0.0
+        return float(end[1] - start[1])
 
     def _ready(self, end: Mark) -> bool:
         return True if not self.cuda else bool(end.query())
@@ -133,6 +146,8 @@ class Profiler:
         mark = self.mark()
         if self._step_start is None:
             self._step_start = mark
+            if self.first_step_at is None:
+                self.first_step_at = time.perf_counter()
         return mark
 
     def own(self) -> contextlib.AbstractContextManager[None]:
@@ -158,17 +173,20 @@ class Profiler:
         self._optimizer_start = self._begin() if not self._depth else None
 
     def optimizer_ended(self) -> None:
+        end = self.mark()  # the optimizer's end is the step's
         if self._optimizer_start is not None:
-            self._parts.append(("optimizer", self._optimizer_start, self.mark()))
+            self._parts.append(("optimizer", self._optimizer_start, end))
             self._optimizer_start = None
-        self.end_step()
+        self.end_step(end)
 
     def gradients_ready(self) -> None:
-        self._last_gradient = self._begin()
+        self._last_gradient = self._wall_mark()
+        if self._step_start is None:  # a loop without a DataLoader: its first step
+            self._begin()
 
     def backward_ended(self) -> None:
         if self._last_gradient is not None and not self._depth:
-            self._parts.append(("comm", self._last_gradient, self.mark()))
+            self._parts.append(("comm", self._last_gradient, self._wall_mark()))
         self._last_gradient = None
 
     def watch(self, model: Any) -> None:
@@ -176,34 +194,35 @@ class Profiler:
         last gradient to the end of the backward."""
         if model in self._watched:
             return
-        import torch
-
         params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            return
-        self._watched.add(model)
-        torch.autograd.graph.register_multi_grad_hook(
-            params, lambda grads: self.gradients_ready(), mode="all"
-        )
+        if params:
+            self._watched.add(model)
+            self._gradients.append(_LastGradient(self, params))
 
     # -- steps ----------------------------------------------------------------------
-    def end_step(self) -> None:
-        """The optimizer stepped: the step's regions are read once its marks completed."""
-        end = self.mark()
+    def end_step(self, end: Mark = None) -> None:
+        """The optimizer stepped (at `end`, else now): the step's regions are read once
+        its marks completed."""
+        end = self.mark() if end is None else end
         start = end if self._step_start is None else self._step_start
         self._unread.append((start, end, self._parts, self._left_out, self._samples))
         self._step_start, self._parts, self._left_out, self._samples = end, [], [], 0
         self._ended += 1
+        self.last_step_at = now = time.perf_counter()
         self._read(wait=self._ended == WARMUP_STEPS)  # once: a GPU waits here alone
         if self._ended == WARMUP_STEPS:
             self.warm = self.total.copy()
+            for watch in self._gradients:
+                watch.keep_the_last()
         if self.stop_after and self._ended >= self.stop_after:
             self.dump(final=True)
             raise SystemExit(0)  # a baseline's steps are done: `finally` blocks run
-        if self._file is not None and time.perf_counter() - self._dumped >= self.dump_every:
+        if self._file is not None and now - self._dumped >= self.dump_every:
             self.dump()
 
     def _read(self, wait: bool) -> None:
+        # Added up in place, field by field: this runs every step.
+        total, seconds, used = self.total, self._seconds, self._cpu
         while self._unread:
             start, end, parts, left_out, samples = self._unread[0]
             if not wait and not self._ready(end):
@@ -211,15 +230,20 @@ class Profiler:
             if wait and self.cuda:
                 end.synchronize()
             self._unread.popleft()
-            step = Breakdown(steps=1, samples=samples)
-            cpu = self._cpu(start, end) - sum(self._cpu(a, b) for a, b in left_out)
+            wall, cpu, timed = seconds(start, end), used(start, end), 0.0
+            for a, b in left_out:
+                wall -= seconds(a, b)
+                cpu -= used(a, b)
             for part, a, b in parts:
-                setattr(step, part, getattr(step, part) + max(self._seconds(a, b), 0.0))
-                cpu -= self._cpu(a, b)
-            wall = self._seconds(start, end) - sum(self._seconds(a, b) for a, b in left_out)
-            step.compute = max(wall - step.total, 0.0)
-            step.compute_cpu = min(max(cpu, 0.0), step.compute)
-            self.total.add(step)
+                took = max(seconds(a, b), 0.0)
+                setattr(total, part, getattr(total, part) + took)
+                timed += took
+                cpu -= used(a, b)
+            compute = max(wall - timed, 0.0)
+            total.compute += compute
+            total.compute_cpu += min(max(cpu, 0.0), compute)
+            total.steps += 1
+            total.samples += samples
 
     def snapshot(self) -> Breakdown:
         """The totals so far (every completed step), also kept for the breakdown over time."""
@@ -248,6 +272,32 @@ class Profiler:
         }
         with contextlib.suppress(OSError):  # a full disk costs the profile, never the job
             write_json(self._file, data)
+
+
+class _LastGradient:
+    """When a model's last gradient of a backward is ready: a hook on each parameter
+    while the order in which they are computed is learnt (the warm-up), then on the
+    last one alone (a hook is a Python call per backward: a few microseconds)."""
+
+    def __init__(self, profiler: Profiler, params: list[Any]) -> None:
+        self.profiler = profiler
+        self.last = -1  # the index of the parameter whose gradient came last
+        self.handles = {
+            i: p.register_post_accumulate_grad_hook(functools.partial(self._ready, i))
+            for i, p in enumerate(params)
+        }
+
+    def _ready(self, index: int, param: Any) -> None:
+        self.last = index
+        self.profiler.gradients_ready()
+
+    def keep_the_last(self) -> None:
+        if self.last < 0:
+            return  # no backward yet: keep learning
+        for index, handle in self.handles.items():
+            if index != self.last:
+                handle.remove()
+        self.handles = {self.last: self.handles[self.last]}
 
 
 _PROFILER: Profiler | None = None
@@ -314,10 +364,14 @@ def _install(prof: Profiler) -> None:
 
     def next_batch(original: Any) -> Any:
         def __next__(self: Any) -> Any:
-            with prof.timed("data"):
+            if prof._depth:  # inside another region (an evaluation, say)
+                return original(self)
+            start = prof._begin()
+            try:
                 batch = original(self)
-            if not prof._depth:
-                prof.add_samples(_count(batch))
+            finally:
+                prof._parts.append(("data", start, prof.mark()))
+            prof._samples += _count(batch)
             return batch
 
         return __next__

@@ -22,6 +22,7 @@ import runpy
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,55 @@ def _refused(folder: Path | None, rank: int, exc: BaseException) -> int:
     return REFUSED_EXIT
 
 
+@dataclass
+class _Helpers:
+    """What a worker of `ddpkit run` prepares around the script (see `_prepare`)."""
+
+    starting: Any = field(default_factory=contextlib.nullcontext)
+    watchdog: Any = None
+    recorder: Any = None
+    profiler: Any = None
+
+    def finish(self, folder: Path, rank: int, code: int, released: bool) -> None:
+        """After the script, before the rank exits with `code`."""
+        from ddpkit.inrank import audit
+
+        if self.recorder is not None:
+            audit.finish(self.recorder, folder, failed=code != 0)
+        if self.profiler is not None:
+            self.profiler.dump(final=True)
+        if code == 0:
+            # A rank whose peers then fail in a collective left them waiting: the agent
+            # names it (see report.left_early).
+            (folder / f"rank{rank}.ended").touch()
+            if self.watchdog is not None:
+                # It now waits for the others (not hung), or, released by launch, for no one.
+                self.watchdog.finish("released" if released else "finished")
+
+
+def _prepare(folder: Path, rank: int) -> _Helpers:
+    """The agent's helpers in this rank: notes, the hang watch, the audit, the profiler."""
+    from ddpkit.inrank import audit, preemption, profile
+    from ddpkit.inrank.watchdog import Watchdog
+    from ddpkit.processes import rehearse
+
+    _note_process_group(folder, rank)
+    # The agent learns whether the script runs ddpkit's code and when any rank took
+    # its first step: a stop signal before it ends a ddpkit job with 75.
+    preemption.notes_to(str(folder / f"rank{rank}"))
+    helpers = _Helpers(
+        starting=preemption.starting_up(
+            on_first_step=lambda: preemption.tell_agent(preemption.TRAINED_NOTE)
+        ),
+        recorder=audit.install(rank) if os.environ.get(audit.AUDIT_ENV) else None,
+        profiler=profile.from_env(rank, folder),
+    )
+    if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
+        helpers.watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
+    rehearse.refuse_own_ranks()  # mp.spawn inside a rank would hang
+    return helpers
+
+
 def main() -> None:
     # First, before the imports that take seconds (torch): torchrun's agent stops every
     # rank as soon as one fails, and what a rank says while it starts is its output too.
@@ -89,8 +139,8 @@ def main() -> None:
 
     attach()
     from ddpkit.errors import PREEMPTED_EXIT, Preempted, StoppedAtStart
-    from ddpkit.inrank import audit, preemption, profile
-    from ddpkit.inrank.watchdog import Watchdog, record_error
+    from ddpkit.inrank import preemption
+    from ddpkit.inrank.watchdog import record_error
     from ddpkit.processes import rehearse
     from ddpkit.processes.launcher import ReleasedByLaunch
     from ddpkit.processes.workers import die_with_parent, exit_now
@@ -105,30 +155,13 @@ def main() -> None:
     target, rest = args[0], args[1:]
     rank = int(os.environ.get("RANK", "0"))
     folder = _status_folder()
-    watchdog = None
-    recorder = None
-    profiler = None
-    starting: Any = contextlib.nullcontext()
-    if folder is not None:
-        _note_process_group(folder, rank)
-        # The agent learns whether the script runs ddpkit's code and when any rank took
-        # its first step: a stop signal before it ends a ddpkit job with 75.
-        preemption.notes_to(str(folder / f"rank{rank}"))
-        starting = preemption.starting_up(
-            on_first_step=lambda: preemption.tell_agent(preemption.TRAINED_NOTE)
-        )
-        if os.environ.get(audit.AUDIT_ENV):
-            recorder = audit.install(rank)
-        profiler = profile.from_env(rank, folder)
-        if float(os.environ.get("DDPKIT_HANG_TIMEOUT", "0")) > 0:
-            watchdog = Watchdog(folder, rank, publish=_store_publisher(rank)).start()
-        rehearse.refuse_own_ranks()  # mp.spawn inside a rank would hang
+    helpers = _Helpers() if folder is None else _prepare(folder, rank)
     if rehearse.rehearsing():  # --cpu: after the audit's hooks, which it wraps
         rehearse.install()
     sys.argv = [target, *rest]
     code, released, stopped = 0, False, 0
     try:
-        with starting:
+        with helpers.starting:
             if as_module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
             else:
@@ -172,17 +205,8 @@ def main() -> None:
                 traceback.print_exc()
             if folder is not None:
                 record_error(folder, rank, exc)
-    if recorder is not None and folder is not None:
-        audit.finish(recorder, folder, failed=code != 0)
-    if profiler is not None:
-        profiler.dump(final=True)
-    if code == 0 and folder is not None:
-        # A rank whose peers then fail in a collective left them waiting: the agent
-        # names it (see report.left_early).
-        (folder / f"rank{rank}.ended").touch()
-    if code == 0 and watchdog is not None:
-        # It now waits for the others (not hung), or, released by launch, for no one.
-        watchdog.finish("released" if released else "finished")
+    if folder is not None:
+        helpers.finish(folder, rank, code, released)
     # Like a spawned worker of `launch`: no interpreter shutdown, which gloo's threads
     # can turn into an abort (SIGABRT) even after a clean run.
     exit_now(code, signum=stopped)

@@ -38,10 +38,12 @@ class StepProfile:
         self._logged = Breakdown()  # the totals written to the run log so far
         self._judged = Breakdown()  # ... and judged in the last verdict
         self._said = time.perf_counter()
+        self._began = 0.0
 
     def start(self, model: nn.Module) -> None:
-        """Before the first step of `fit`: measure, and the wait for `model`'s gradient
-        all-reduces (a DDP model, wrapped before the profiler's hooks were there)."""
+        """As `fit` begins: measure, and the wait for `model`'s gradient all-reduces (a
+        DDP model, wrapped before the profiler's hooks were there)."""
+        self._began = time.perf_counter()
         if self.enabled:
             self.measures = profile.start(cuda=self.ctx.device.type == "cuda")
         else:
@@ -74,13 +76,28 @@ class StepProfile:
             self._judged = now
 
     def finish(self) -> None:
-        """Every rank, at the end of `fit`: the verdict on the whole run (its steps after
-        the warm-up)."""
+        """Every rank, as `fit` returns: the verdict on the whole run (its steps after
+        the warm-up), and ddpkit's fixed time before the first step and after the last."""
         if not self.enabled or self.measures is None:
             return
-        total = self.measures.finish()
-        warm = self.measures.warm
-        self._say(self._gather(total.since(warm) if warm is not None else total), "the run")
+        measures, now = self.measures, time.perf_counter()
+        total = measures.finish()
+        warm = measures.warm
+        first, last = measures.first_step_at, measures.last_step_at
+        fixed = (first - self._began, now - last) if first is not None and last else (0, 0)
+        found = all_gather_object(
+            ((total.since(warm) if warm is not None else total).to_dict(), fixed)
+        )
+        self._say(
+            {rank: Breakdown.from_dict(data) for rank, (data, _) in enumerate(found)}, "the run"
+        )
+        before, after = (max(times[i] for _, times in found) for i in (0, 1))
+        self.say(
+            f"  ddpkit's fixed time: {before:.2f} s before the first step (seeding, resuming, "
+            f"the run log, starting the loaders), {after:.2f} s after the last (the last "
+            f"checkpoint on disk, BatchNorm buffers from rank 0), in a {now - self._began:.1f} "
+            "s fit"
+        )
 
     def _gather(self, mine: Breakdown) -> dict[int, Breakdown]:
         """Every rank's breakdown (a collective)."""

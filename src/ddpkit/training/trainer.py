@@ -370,8 +370,8 @@ class Trainer(Checkpoints):
         lock = None if cfg.checkpoint_dir is None else lock_folder(cfg.checkpoint_dir, self.ctx)
         runlog: RunLog | None = None
         try:
-            runlog = self._start()
             self._profile.start(self.model)
+            runlog = self._start()
             with saving_on_signal() if self._vote else _NOTHING:
                 for epoch in self._epochs_left():
                     run = self._start_epoch(epoch, runlog)
@@ -403,6 +403,7 @@ class Trainer(Checkpoints):
                         break
                 result = self._finish(runlog)
             PENDING.wait()  # its checkpoints on disk while the folder is still locked
+            self._profile.finish()
             return result
         except BaseException:
             PENDING.wait(quiet=True)  # the first error stays the one raised
@@ -564,7 +565,6 @@ class Trainer(Checkpoints):
         signum = self._vote.close() if self._vote is not None else 0
         if signum:  # after the last step: its checkpoint is the one to resume from
             raise Preempted(self._checkpoint_now(), self.global_step, signum)
-        self._profile.finish()
         # Without synchronized BatchNorm (or under FSDP, which never broadcasts buffers)
         # each rank's running statistics drifted: end with rank 0's.
         sync_buffers(self.model, self.ctx)
