@@ -14,7 +14,9 @@ from ddpkit.errors import ConfigError
 # The choices only: ddpkit.records.plot imports nothing heavy (matplotlib only when drawing).
 from ddpkit.records.plot import X_AXES
 
-HELP = "draw loss, eval, throughput, lr and grad_norm charts (PNG) of one or more run folders"
+HELP = (
+    "draw loss, eval, throughput, lr, grad_norm and profile charts (PNG) of one or more run folders"
+)
 _DEFAULT_MULTI_OUT = "plots"
 
 
@@ -26,7 +28,8 @@ def add_parser(sub: Any) -> None:
             f"{HELP}. Each RUN_DIR holds the metrics.jsonl a training run wrote; several runs "
             "are overlaid on the same axes, each with its own colour, line style and marker. "
             "Writes loss.png, eval.png (when the runs have eval metrics such as accuracy), "
-            "throughput.png, lr.png and grad_norm.png (when the runs logged them). Needs "
+            "throughput.png, lr.png, grad_norm.png and profile.png (when the runs logged "
+            "them; profile.png: --profile's breakdown of each rank's step time). Needs "
             "matplotlib: pip install 'ddpkit[plot]'."
         ),
     )

@@ -134,11 +134,11 @@ Series = tuple[list[float], list[float]]
 
 
 def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The `step` and `epoch` records of `run_dir/metrics.jsonl`, in file order.
+    """The `step`, `epoch` and `profile` records of `run_dir/metrics.jsonl`, in file order.
 
     Blank lines and lines of other kinds are ignored; lines that are not one JSON object are
     skipped with a warning on the `ddpkit` logger. Raises `ConfigError` when the folder or its
-    metrics file is missing, cannot be read, or holds no step or epoch record.
+    metrics file is missing, cannot be read, or holds no step, epoch or profile record.
     """
     folder = Path(run_dir)
     hint = f"pass a run folder that a training run wrote (it holds {METRICS_FILE})"
@@ -200,7 +200,8 @@ def plot_runs(
     x: str = "step",
 ) -> list[Path]:
     """Write the charts of the runs into `out_dir`: `loss.png`, `eval.png`, `throughput.png`,
-    `lr.png` (learning rate) and `grad_norm.png` (gradient norm).
+    `lr.png` (learning rate), `grad_norm.png` (gradient norm) and `profile.png` (each
+    rank's step time, from `--profile`).
 
     Several runs are overlaid on the same axes, each with its own colour, line style and
     marker; the legend names them by their folder's name or by `labels` (one per run, in
@@ -234,8 +235,8 @@ def plot_runs(
     charts = _charts(runs, x)
     if not charts:
         raise ConfigError(
-            "nothing to plot: no loss, lr, grad_norm, samples_per_s or eval metric that can be "
-            f"drawn (a number within ±1e200) in the {METRICS_FILE} of "
+            "nothing to plot: no loss, lr, grad_norm, samples_per_s, eval metric or profile "
+            f"that can be drawn (a number within ±1e200) in the {METRICS_FILE} of "
             f"{', '.join(str(d) for d in run_dirs)}"
         )
     _save(charts, out)
