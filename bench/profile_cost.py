@@ -33,15 +33,14 @@ def _hook_share(script: Path, steps: int) -> float:
     share of one plain step of the job: the cost the noise of whole runs hides."""
     import torch
 
-    from ddpkit.inrank.profile import Profiler, _count
+    from ddpkit.inrank.profile import Profiler
 
     profiler = Profiler(cuda=False)
     batch = (torch.zeros(32, 256), torch.zeros(32, dtype=torch.long))
     calls = 20_000
     start = time.process_time()
     for _ in range(calls):
-        profiler._parts.append(("data", profiler._begin(), profiler.mark()))  # a batch
-        profiler._samples += _count(batch)
+        profiler.fetch_ended(profiler.fetch_started(), batch)  # a batch fetched
         profiler.gradients_ready()  # the multi-grad hook, then the end of backward()
         profiler.backward_ended()
         profiler.optimizer_started()  # optimizer.step()'s pre and post hooks

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -61,7 +62,7 @@ WARMUP_STEPS = 5
 # `ddpkit run --profile --baseline`: the one-rank run stops after this many steps.
 STOP_AFTER_ENV = "DDPKIT_PROFILE_STOP_AFTER"
 
-Mark = Any  # a float (seconds), or a torch.cuda.Event on GPUs
+Mark = Any  # (wall seconds, CPU seconds or None) on CPUs, a torch.cuda.Event on GPUs
 
 
 class Profiler:
@@ -69,6 +70,7 @@ class Profiler:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self._thread = threading.get_ident()  # the loop's: the thread that started it
         self.total = Breakdown()
         # (seconds since the start, the totals then): the breakdown over time.
         self.snapshots: list[tuple[float, Breakdown]] = []
@@ -165,14 +167,27 @@ class Profiler:
             self._depth -= 1
             self._left_out.append((start, self.mark()))
 
-    def add_samples(self, count: int) -> None:
-        self._samples += count
+    def fetch_started(self) -> Mark:
+        """A DataLoader's `__next__` begins: its mark (None: not measured, inside another
+        region or outside the main thread, whose loop this is)."""
+        if self._depth or threading.get_ident() != self._thread:
+            return None
+        return self._begin()
+
+    def fetch_ended(self, start: Mark, batch: Any) -> None:
+        """... and returned `batch` (None when it raised: the end of the epoch)."""
+        if start is not None:
+            self._parts.append(("data", start, self.mark()))
+            self._samples += _count(batch)
 
     # -- hooks ----------------------------------------------------------------------
     def optimizer_started(self) -> None:
-        self._optimizer_start = self._begin() if not self._depth else None
+        main = threading.get_ident() == self._thread
+        self._optimizer_start = self._begin() if main and not self._depth else None
 
     def optimizer_ended(self) -> None:
+        if threading.get_ident() != self._thread:
+            return  # an optimizer of another thread's: no step of this loop
         end = self.mark()  # the optimizer's end is the step's
         if self._optimizer_start is not None:
             self._parts.append(("optimizer", self._optimizer_start, end))
@@ -364,14 +379,11 @@ def _install(prof: Profiler) -> None:
 
     def next_batch(original: Any) -> Any:
         def __next__(self: Any) -> Any:
-            if prof._depth:  # inside another region (an evaluation, say)
-                return original(self)
-            start = prof._begin()
+            start, batch = prof.fetch_started(), None
             try:
                 batch = original(self)
             finally:
-                prof._parts.append(("data", start, prof.mark()))
-            prof._samples += _count(batch)
+                prof.fetch_ended(start, batch)
             return batch
 
         return __next__
