@@ -299,6 +299,13 @@ ROWS = [
         needs=("s.py",),
     ),
     Row(
+        "baseline-several-nodes",
+        ("run", "--baseline", *NODE_1, "s.py"),
+        "--baseline runs the script on one rank of this machine first, which a job of 2 "
+        "nodes cannot",
+        needs=("s.py",),
+    ),
+    Row(
         "profile-every-inf",
         ("run", "--profile-every", "inf", "s.py"),
         "--profile-every inf: the seconds between two verdicts must be a number more than 0",

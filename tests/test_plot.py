@@ -136,7 +136,10 @@ def test_read_metrics_skips_malformed_lines_with_one_warning(
         (lambda d: d.mkdir(), ["has no metrics.jsonl"]),
         (lambda d: d.write_text("x"), ["is not a folder"]),
         (lambda d: _write_run(d, []), ["is empty", "one JSON object per line"]),
-        (lambda d: _write_run(d, ["{bad", {"kind": "other"}]), ["no 'step', 'epoch' or 'profile' line"]),
+        (
+            lambda d: _write_run(d, ["{bad", {"kind": "other"}]),
+            ["no 'step', 'epoch' or 'profile' line"],
+        ),
     ],
     ids=["missing", "no-metrics-file", "a-file", "empty-file", "nothing-usable"],
 )

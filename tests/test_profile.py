@@ -16,17 +16,32 @@ whole job of 2 ranks (about 6 s).
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ddpkit.inrank.breakdown import Breakdown, verdict
+from ddpkit.parallel.fsdp import cpu_supported
+from ddpkit.processes.machine import threads_per_rank
 from tests.conftest import run_cli
 
+# mode -> (width, batch, extra products on rank 1, seconds rank 1 sleeps per item)
+SETTINGS = {
+    "slowdata": (128, 16, 0, 0.004),
+    "slowcompute": (256, 256, 12, 0.0),
+    "comm": (1024, 2, 0, 0.0),
+    "balanced": (256, 256, 0, 0.0),
+}
+
 # The job both ways: MODE and STRATEGY from the environment (the Trainer's job) or argv.
-COMMON = """
+COMMON = (
+    f"SETTINGS = {SETTINGS!r}\n"
+    + """
 import os
 import sys
 import time
@@ -38,13 +53,7 @@ STEPS = 40
 
 
 def settings(mode):
-    # (width, batch, extra products on rank 1, seconds rank 1 sleeps per item)
-    return {
-        "slowdata": (128, 16, 0, 0.004),
-        "slowcompute": (256, 256, 12, 0.0),
-        "comm": (1024, 2, 0, 0.0),
-        "balanced": (256, 256, 0, 0.0),
-    }[mode]
+    return SETTINGS[mode]
 
 
 class Items(torch.utils.data.Dataset):
@@ -75,6 +84,7 @@ def straggle(rank, products):
         for _ in range(products):
             a = torch.tanh(a @ a / 256)
 """
+)
 
 TORCHRUN_SCRIPT = (
     COMMON
@@ -138,11 +148,14 @@ def job(ctx, config):
 # mode -> what the verdict must say
 EXPECTED = {
     "slowdata": r"rank 1 waits for data \d+% of each step \(rank 0 \d+%\): its loader",
-    "slowcompute": r"rank 1 computes \d+\.\dx longer than rank 0; rank 0 waits \d+%",
+    "slowcompute": r"rank 1 computes \d+\.\dx longer than rank 0[;,] .*rank 0 waits \d+%",
     "comm": r"gradient communication is \d+% of a step",
     "balanced": r"",
 }
 FAST = {("run", "ddp", "slowdata"), ("train", "ddp", "slowcompute"), ("run", "fsdp", "comm")}
+FSDP_SKIP = pytest.mark.skipif(
+    not cpu_supported(), reason="FSDP2 on CPU ranks needs torch >= 2.7 (CPU stream events)"
+)
 
 
 def _verdict(stderr: str, stdout: str, runner: str) -> list[str]:
@@ -172,7 +185,8 @@ def _profiled(tmp_path: Path, runner: str, strategy: str, mode: str) -> list[str
         steps = 40
         args = [
             *("train", "--job", f"{job}:job", "--nproc", "2", "--strategy", strategy),
-            *("--max-steps", str(steps), "--profile", "--run-dir", str(tmp_path / "run")),
+            *("--max-steps", str(steps), "--batch-size", str(SETTINGS[mode][1])),
+            *("--profile", "--run-dir", str(tmp_path / "run")),
         ]
     proc = run_cli(*args, env=env, timeout=180, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -186,6 +200,8 @@ def _cells() -> list[Any]:
             for mode in EXPECTED:
                 fast = (runner, strategy, mode) in FAST
                 marks = [] if fast else [pytest.mark.slow]
+                if strategy == "fsdp":
+                    marks.append(FSDP_SKIP)
                 cells.append(
                     pytest.param(
                         runner, strategy, mode, marks=marks, id=f"{runner}-{strategy}-{mode}"
@@ -287,3 +303,41 @@ def test_a_rank_kept_off_its_core_is_told_apart_from_a_straggler() -> None:
         "rank 1 computes 2.0x longer than rank 0, but ran on a core only 50% of that time: "
         "other processes on its machine take its CPU; rank 0 waits 48%"
     ), lines
+
+
+THREADS_SCRIPT = """
+import os
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+print("threads", os.environ["OMP_NUM_THREADS"], flush=True)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(50):
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+dist.destroy_process_group()
+"""
+
+
+def test_the_baseline_leaves_the_job_its_own_threads(tmp_path: Path) -> None:
+    # The one-rank baseline runs first: its OMP_NUM_THREADS (all the cores) stayed set,
+    # and the job's ranks then shared the cores oversubscribed. Both get the job's share.
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit", "run", "--nproc", "2", "--baseline", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    share = str(threads_per_rank(2))
+    said = re.findall(r"threads (\d+)", proc.stdout)
+    assert said == [share] * 3, proc.stdout  # the baseline's rank, then the job's two

@@ -235,6 +235,12 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         cpu=args.cpu,
     )
+    if args.baseline and args.nnodes > 1:
+        raise ConfigError(
+            f"--baseline runs the script on one rank of this machine first, which a job of "
+            f"{args.nnodes} nodes cannot: leave --baseline out, or measure one rank with "
+            "`ddpkit run --nproc 1 --profile` on one machine"
+        )
     command, nproc = _validate(args)
     settings = dataclasses.replace(settings, nprocs=nproc)  # --local-ranks-filter checked
     if settings.log_dir is not None:
@@ -305,6 +311,7 @@ def _baseline(command: list[str], settings: LaunchConfig) -> float | None:
     optimizer steps; None (said) when it measured none."""
     from ddpkit.inrank.profile import STOP_AFTER_ENV
     from ddpkit.processes.agent import run_script
+    from ddpkit.processes.machine import threads_per_rank
     from ddpkit.processes.profile import rate
 
     print(
@@ -313,12 +320,17 @@ def _baseline(command: list[str], settings: LaunchConfig) -> float | None:
         flush=True,
     )
     measured: dict[int, RankProfile] = {}
+    environ = dict(os.environ)  # the job after it starts from the user's environment
     os.environ[STOP_AFTER_ENV] = str(BASELINE_STEPS)
+    # The rank gets the threads each rank of the job gets: N ranks are then at best N
+    # times as fast.
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(int(settings.nprocs))))
     try:
         one = dataclasses.replace(settings, nprocs=1, max_restarts=0, log_dir=None)
         code = run_script(command, one, None, measured.update)
     finally:
-        del os.environ[STOP_AFTER_ENV]
+        os.environ.clear()
+        os.environ.update(environ)
     found = rate(measured) if code == 0 else None
     if found is None:
         print(

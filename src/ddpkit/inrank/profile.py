@@ -8,8 +8,9 @@ that any script is measured as written (`ddpkit run --profile`), and the Trainer
 - optimizer: the time inside any torch optimizer's `step()` (its pre and post hooks);
   its post hook also ends the step;
 - comm, under DDP: from the moment the backward has computed the last gradient of a
-  DDP model's parameters (a multi-grad hook) to the end of `backward()`: the wait for
-  the all-reduces beyond the backward they overlap, as DDP waits for them there;
+  DDP model's parameters (a hook on the parameter whose gradient comes last) to the end
+  of `backward()`: the wait for the all-reduces beyond the backward they overlap, as
+  DDP waits for them there;
 - comm, under FSDP2: the time in its all-gathers (`unshard`, `wait_for_unshard`), its
   reduce-scatters (`foreach_reduce`) and the wait for them at the end of the backward;
 - ddpkit: the regions the Trainer marks as its own (`own`: checkpoints, logs, the stop

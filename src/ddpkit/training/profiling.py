@@ -95,7 +95,8 @@ class StepProfile:
         self.say(
             f"  ddpkit's fixed time: {before:.2f} s before the first step (seeding, resuming, "
             f"the run log, starting the loaders), {after:.2f} s after the last (the last "
-            f"checkpoint on disk, BatchNorm buffers from rank 0), in a {now - self._began:.1f} "
+            f"checkpoint on disk, the ranks' BatchNorm buffers made equal), in a "
+            f"{now - self._began:.1f} "
             "s fit"
         )
 
