@@ -729,7 +729,7 @@ def test_run_reads_its_options_up_to_the_script_and_gives_the_rest_to_it() -> No
         None,
         ["--flag", "x"],
         "report",
-        "auto",
+        None,  # not given: the platform's (PET_NPROC_PER_NODE), else auto
     )
     assert read("--audit=strict", "train.py", "--lr", "1")[2:4] == (["--lr", "1"], "strict")
     assert read("--audit", "--", "train.py", "--lr", "1")[:4] == (
@@ -750,7 +750,7 @@ def test_run_reads_its_options_up_to_the_script_and_gives_the_rest_to_it() -> No
         "pkg.train",
         ["--nproc", "3"],
         "report",
-        "auto",
+        None,  # not given: the platform's (PET_NPROC_PER_NODE), else auto
     )
     assert read("-mpkg.train", "--x")[1:3] == ("pkg.train", ["--x"])
     assert read("train.py", "--", "--x")[2] == ["--", "--x"]  # as python train.py -- --x

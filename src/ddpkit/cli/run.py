@@ -19,8 +19,8 @@ from ddpkit.errors import ConfigError
 from ddpkit.findings import Finding, Severity, format_json, write_audit_log
 from ddpkit.processes.audit import report as audit_report
 from ddpkit.processes.config import LaunchConfig, parse_local_ranks
+from ddpkit.processes.platforms import NodeSettings, resolve
 from ddpkit.processes.profile import VERDICT_EVERY_S, RankProfile
-from ddpkit.processes.slurm import slurm_step
 from ddpkit.userfiles import kind_of
 
 HELP = "run a training script on every GPU or CPU core through torchrun's elastic agent"
@@ -64,9 +64,15 @@ def _options_parser() -> argparse.ArgumentParser:
         "job id); on one machine the OS picks a free port",
     )
     p.add_argument(
+        "--local-addr",
+        metavar="ADDRESS",
+        help="with several nodes: the address the other nodes reach this one at (default: "
+        "this machine's address on the route to --master-addr; its host name may not "
+        "resolve on the others)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
-        default=0,
         help="restart all workers up to K times after a failure (default 0)",
     )
     p.add_argument(
@@ -76,6 +82,7 @@ def _options_parser() -> argparse.ArgumentParser:
         help="seconds to wait for the other nodes (default 300)",
     )
     add_process_flags(p)
+    p.set_defaults(nproc=None)  # not given: the platform's (PET_NPROC_PER_NODE), else auto
     p.add_argument(
         "--cpu",
         action="store_true",
@@ -219,12 +226,13 @@ def _values_taken(parser: argparse.ArgumentParser, word: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     args = parse_options(args.argv)
-    _fill_from_slurm(args)
+    _fill_from_environment(args)
     settings = LaunchConfig(
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        local_addr=args.local_addr,
         max_restarts=args.max_restarts,
         hang_timeout=args.hang_timeout,
         rdzv_timeout=args.rdzv_timeout,
@@ -368,22 +376,16 @@ def _report_profile(
         runlog.close()
 
 
-def _fill_from_slurm(args: argparse.Namespace) -> None:
-    """Flags not given take srun's values under SLURM, else their defaults."""
-    step = slurm_step(os.environ)
-    if step is not None and args.nnodes is None and step.nnodes > 1:
-        args.nnodes, args.node_rank = step.nnodes, step.node_rank
-        args.master_addr = args.master_addr or step.master_addr
-        args.master_port = args.master_port or step.master_port
-        print(
-            f"ddpkit: SLURM job {os.environ['SLURM_JOB_ID']}: node {step.node_rank} of "
-            f"{step.nnodes}, rendezvous at {args.master_addr}:{args.master_port}",
-            file=sys.stderr,
-            flush=True,
-        )
-    args.nnodes = 1 if args.nnodes is None else args.nnodes
-    args.node_rank = 0 if args.node_rank is None else args.node_rank
-    args.master_port = 29500 if args.master_port is None else args.master_port
+def _fill_from_environment(args: argparse.Namespace) -> None:
+    """Flags not given take the platform's values (srun's, PET_*), else their defaults."""
+    names = [f.name for f in dataclasses.fields(NodeSettings)]
+    settings, note = resolve(
+        NodeSettings(**{name: getattr(args, name) for name in names}), os.environ
+    )
+    for name in names:
+        setattr(args, name, getattr(settings, name))
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
 
 
 def _validate(args: argparse.Namespace) -> tuple[list[str], int]:

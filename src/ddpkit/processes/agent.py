@@ -50,7 +50,11 @@ from ddpkit.inrank.profile import DUMP_EVERY_S, PROFILE_ENV  # noqa: E402
 from ddpkit.inrank.watchdog import descendants  # noqa: E402
 from ddpkit.processes.audit import findings as audit_findings  # noqa: E402
 from ddpkit.processes.config import LOOPBACK, LaunchConfig  # noqa: E402
-from ddpkit.processes.machine import threads_per_rank  # noqa: E402
+from ddpkit.processes.machine import (  # noqa: E402
+    advertised_address,
+    interface_of,
+    threads_per_rank,
+)
 from ddpkit.processes.output import RankOutput  # noqa: E402
 from ddpkit.processes.profile import (  # noqa: E402
     VERDICT_EVERY_S,
@@ -114,6 +118,8 @@ def run_script(
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_s),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
+    advertised = _advertised(opts, port)
+    env.update(_network_env(opts, port, advertised))
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     if on_audit is not None:
@@ -123,18 +129,10 @@ def run_script(
         env[PROFILE_ENV] = str(min(DUMP_EVERY_S, profile_every / 2))
     if opts.cpu:
         env[REHEARSE_ENV] = "1"
-    if not single:
-        # Every node's watch judges every rank, so the ranks report to the store too.
-        env["DDPKIT_STATUS_STORE"] = f"{host}:{port}"
-    if local and sys.platform == "linux":
-        # gloo's and NCCL's sockets stay off the network when every node is this machine.
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if name not in os.environ:
-                env[name] = "lo"
     os.environ.update(env)
     if _QUIET_CPP_LOG:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
-    torchrun_args = _torchrun_args(command, opts, port, status)
+    torchrun_args = _torchrun_args(command, opts, port, status, advertised)
     watch = None
     if on_profile is not None:
         watch = ProfileWatch(functools.partial(_latest_attempt, status), profile_every).start()
@@ -190,8 +188,39 @@ def _rendezvous(opts: LaunchConfig) -> tuple[Any, int]:
     return store, store.port
 
 
-def _torchrun_args(command: list[str], opts: LaunchConfig, port: int, status: Path) -> list[str]:
-    """torchrun's command line: its agent runs `command` in ddpkit's shim on each worker."""
+def _network_env(opts: LaunchConfig, port: int, advertised: str | None) -> dict[str, str]:
+    """The variables that put the workers' sockets where the other nodes reach them."""
+    env = {}
+    if opts.nnodes > 1:
+        # Every node's watch judges every rank, so the ranks report to the store too.
+        env["DDPKIT_STATUS_STORE"] = f"{opts.store_host}:{port}"
+    if opts.local and sys.platform == "linux":
+        # gloo's and NCCL's sockets stay off the network when every node is this machine.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                env[name] = "lo"
+    elif advertised and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo binds where this machine's host name resolves, else to loopback, which no
+        # other node reaches: the interface of the address the other nodes are given.
+        interface = interface_of(advertised)
+        if interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    return env
+
+
+def _advertised(opts: LaunchConfig, port: int) -> str | None:
+    """What the other nodes are told to reach this one at (node 0: its workers' store);
+    None: torch's default, this machine's host name, which they may not resolve."""
+    if opts.local:
+        return LOOPBACK
+    return opts.local_addr or advertised_address(opts.store_host, port)
+
+
+def _torchrun_args(
+    command: list[str], opts: LaunchConfig, port: int, status: Path, local: str | None
+) -> list[str]:
+    """torchrun's command line: its agent runs `command` in ddpkit's shim on each
+    worker; `local`: the address this node gives the others (see `_advertised`)."""
     single, host = opts.nnodes == 1, opts.store_host
     run_id = f"ddpkit-{uuid.uuid4().hex[:8]}" if single else f"ddpkit-{host}-{port}"
     return [
@@ -200,7 +229,7 @@ def _torchrun_args(command: list[str], opts: LaunchConfig, port: int, status: Pa
         *("--rdzv-conf", f"is_host=false,join_timeout={int(opts.rdzv_timeout)}"),
         *("--max-restarts", str(opts.max_restarts), "--monitor-interval", "0.1"),
         *("--log-dir", str(status / "torchelastic")),  # else torch leaves one in $TMPDIR
-        *(["--local-addr", LOOPBACK] if opts.local else []),
+        *(["--local-addr", local] if local else []),
         # "--": what follows is the workers' command, never torchrun's options (argparse
         # would take an abbreviation such as --nproc in it for one of its own).
         *("--module", "--", "ddpkit.processes.shim", *command),

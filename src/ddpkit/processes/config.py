@@ -72,6 +72,10 @@ class LaunchConfig:
     """Node 0's address; None for one machine (a store on loopback)."""
     master_port: int = 29500
     """The rendezvous port on node 0 (`ddpkit run`)."""
+    local_addr: str | None = None
+    """The address this machine gives the other nodes, which they must reach (`ddpkit
+    run`, several nodes); None: that of its interface on the route to node 0 (see
+    `ddpkit.processes.machine.advertised_address`)."""
     max_restarts: int = 0
     """Times torchrun's agent restarts the workers after a failure (`ddpkit run`)."""
     rdzv_timeout: float = 300.0

@@ -3,8 +3,11 @@ cores and GPUs, and the backend and number of processes that follow from them.""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 
 import torch
@@ -128,3 +131,52 @@ def resolve_nprocs(nprocs: int | str, backend: str) -> int:
 def threads_per_rank(local_world_size: int) -> int:
     """A fair share of the cores, so ranks on one machine don't oversubscribe it."""
     return max(1, cpu_count() // max(1, local_world_size))
+
+
+# Any address outside this machine: a UDP socket "connected" to it (no packet is sent)
+# shows the source address of the default route.
+_OUTSIDE = ("192.0.2.1", 9)  # TEST-NET-1 (RFC 5737): routed by the default route, never used
+
+
+def advertised_address(master_addr: str, port: int) -> str | None:
+    """The address this machine gives the other nodes of a job whose node 0 is
+    `master_addr`: that of its interface that routes to node 0, or, where node 0 is this
+    machine and the route is loopback, that of the default route. None when neither
+    is known (no route out): torch's agent then gives this machine's host name.
+
+    A host name that only this machine resolves (a pod's, a container's) is what a
+    node that cannot resolve it never reaches; an address on the route to node 0 is
+    reachable from it."""
+    try:
+        family, _, _, _, where = socket.getaddrinfo(master_addr, port, type=socket.SOCK_DGRAM)[0]
+    except OSError:
+        return None  # said where it is used: node 0's address itself cannot be resolved
+    for kind, target in ((family, where), (socket.AF_INET, _OUTSIDE)):
+        with contextlib.suppress(OSError), socket.socket(kind, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            source = str(probe.getsockname()[0])
+            if not ipaddress.ip_address(source).is_loopback:
+                return source
+    return None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this machine's network interface that holds the IPv4 `address`
+    (Linux), or None."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            for _, name in socket.if_nameindex():
+                with contextlib.suppress(OSError):
+                    request = struct.pack("256s", name.encode()[:15])
+                    found = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, request)
+                    if socket.inet_ntoa(found[20:24]) == address:
+                        return name
+    except (ImportError, OSError):  # not Linux, or no interfaces to list
+        pass
+    return None
+
+
+_SIOCGIFADDR = 0x8915  # Linux's ioctl: an interface's IPv4 address

@@ -47,6 +47,13 @@ _KINDS = (*STREAM_FDS, "log")
 _ERASE = b"\r\x1b[K"
 # A "line" that never ends (binary data, a bar without "\r") is cut at this length.
 _LONGEST = 1 << 20
+# torch's warnings that repeat on every rank and tell a user of ddpkit run nothing to
+# do: kept in the rank's log, not shown. Each ends with an empty line of its own.
+_NOISE = (
+    # A node whose host name nothing resolves (a pod, a container): ddpkit gives the
+    # other nodes its address, so the job trains (issue 46).
+    b"[c10d] The hostname of the client socket cannot be retrieved",
+)
 
 
 @dataclass(eq=False)  # each connection is its own, in a set
@@ -60,6 +67,7 @@ class _Stream:
     local_rank: int = 0
     attempt: int = 0
     pending: bytes = b""  # the header, or the line not ended yet
+    hid: bool = False  # the last line shown was a warning of _NOISE, not shown
 
 
 class _Console:
@@ -263,6 +271,9 @@ class RankOutput:
         self._write_log(stream.rank, b"".join(line + b"\n" for line in lines))
         if not self._shows(stream):
             return
+        lines = _without_noise(stream, lines)
+        if not lines:
+            return
         prefix = self._prefix_of(stream.rank)
         console = self._console[stream.kind]
         data = b"".join(prefix + line + b"\n" for line in lines)
@@ -334,6 +345,20 @@ class RankOutput:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _without_noise(stream: _Stream, lines: list[bytes]) -> list[bytes]:
+    """`lines` less the warnings of _NOISE and the empty line after each."""
+    kept = []
+    for line in lines:
+        if any(noise in line for noise in _NOISE):
+            stream.hid = True
+        elif not (stream.hid and not line.strip()):
+            kept.append(line)
+            stream.hid = False
+        else:
+            stream.hid = False
+    return kept
 
 
 def _last_drawing(line: bytes) -> bytes:
