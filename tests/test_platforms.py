@@ -113,3 +113,15 @@ def test_pet_variables_alone_start_two_nodes(tmp_path: Path) -> None:
         assert proc.returncode == 0, err
     assert "world 2 ranks [0, 1]" in outs[0][0] + outs[1][0]
     assert f"from the PET_* variables: node 1 of 2, rendezvous at 127.0.0.1:{port}" in outs[1][1]
+
+
+def test_the_pytorchjob_example_runs_ddpkit_with_no_node_flags() -> None:
+    yaml = pytest.importorskip("yaml")
+    manifest = yaml.safe_load((ROOT / "docs" / "kubernetes" / "pytorchjob.yaml").read_text())
+    assert manifest["kind"] == "PyTorchJob" and manifest["spec"]["nprocPerNode"]
+    for role in ("Master", "Worker"):
+        pod = manifest["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]
+        command = pod["containers"][0]["command"]
+        assert command[:2] == ["ddpkit", "run"], command
+        assert not {"--nnodes", "--node-rank", "--master-addr"} & set(command), command
+        assert "--resume" in command and pod["terminationGracePeriodSeconds"] >= 60
