@@ -14,6 +14,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -140,6 +141,7 @@ def run_script(
         reports: Callable[[], dict[int, dict[str, Any]]] = functools.partial(_file_reports, status)
         if not single:
             reports = _StoreReports(host, port, world)
+            reports.tell_address(opts.node_rank, advertised)
         logs = _Logs(output, in_log_dir=opts.log_dir is not None, this_node_only=not single)
         return _supervise(torchrun_args, status, reports, opts.hang_s, world, logs)
     except RendezvousTimeoutError:
@@ -386,6 +388,9 @@ def _latest_attempt(status: Path) -> Path:
     return attempts[-1] if attempts else status / "attempt0"
 
 
+_NODE_KEY = "ddpkit/node-at/"
+
+
 class _StoreReports:
     """Every rank's report, read from the rendezvous store (jobs on several machines:
     each node's watch sees the ranks of every node, not just its own)."""
@@ -397,6 +402,16 @@ class _StoreReports:
 
         self.store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
         self.world_size, self.attempt = world_size, 0
+
+    def tell_address(self, node_rank: int, address: str | None) -> None:
+        """Say which node this is at `address`, for the others' reports (`nodes`)."""
+        if address:
+            self.store.set(f"{_NODE_KEY}{address}", str(node_rank))
+
+    def nodes(self, addresses: list[str]) -> dict[str, int]:
+        """The node each of `addresses` is, where that node said (see `tell_address`)."""
+        keys = {a: f"{_NODE_KEY}{a}" for a in addresses}
+        return {a: int(self.store.get(k)) for a, k in keys.items() if self.store.check([k])}
 
     def __call__(self) -> dict[int, dict[str, Any]]:
         # A restarted job reports under the next attempt's keys.
@@ -492,7 +507,8 @@ def _supervise(
             print(f"{hung}\n{_HANG_STOPPED}", file=sys.stderr, flush=True)
             return HANG_EXIT
         report = _crash_report(exc, _latest_attempt(status))
-        print(f"{report}\n{logs.keep()}", file=sys.stderr, flush=True)
+        lost = _lost_node(report, reports)
+        print(f"{report}\n{lost}{logs.keep()}", file=sys.stderr, flush=True)
         return 1
     except SignalException as exc:
         if _said(status, ".preempted.json"):
@@ -645,6 +661,25 @@ def _first_failure(failures: dict[int, Any], folder: Path) -> tuple[int, Any, di
 
 def _how(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+# How gloo says that the other end of a connection went away, with its address.
+_PEER_GONE = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+: Connection (?:reset|closed) by peer")
+
+
+def _lost_node(report: str, reports: Callable[..., Any]) -> str:
+    """A line naming the node whose ranks went away under a rank that failed on that
+    (a node killed, or cut off the network), ending with a newline; "" otherwise."""
+    addresses = _PEER_GONE.findall(report)
+    if not addresses or not isinstance(reports, _StoreReports):
+        return ""
+    with contextlib.suppress(Exception):  # node 0's store may be what went away
+        for address, node in reports.nodes(addresses).items():
+            return (
+                f"ddpkit: node {node} ({address}) went away in the middle of a collective "
+                f"(stopped, killed or cut off the network): its own output says why\n"
+            )
+    return ""
 
 
 def _crash_report(exc: Any, folder: Path) -> str:
