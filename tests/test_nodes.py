@@ -139,6 +139,25 @@ def test_a_node_that_never_joins_is_said_in_one_line_within_the_rdzv_timeout(
     assert f"--master-addr {machines.address(0)}" in lines[-1] and took < 15 + 30, took
 
 
+def test_a_node_given_an_address_it_cannot_reach_says_so_in_one_line(tmp_path: Path) -> None:
+    # Node 1 is told an address of node 0's network that nothing holds.
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    port = 20000 + os.getpid() % 20000
+    with netns.Machines() as machines:
+        nowhere = machines.address(200)
+        argv = _node_args(machines, 1, port, "--rdzv-timeout", "10")
+        argv[argv.index(machines.address(0))] = nowhere
+        started = time.monotonic()
+        ((_, err),) = _finish([machines.popen(1, [*argv, str(script)], env, tmp_path)])
+    assert time.monotonic() - started < 10 + 30
+    assert err.strip().splitlines()[-1] == (
+        f"ddpkit: error: cannot reach the master at {nowhere}:{port} within 10 s: start node 0 "
+        "first, or check --master-addr/--master-port and the firewall"
+    ), err
+
+
 def test_a_node_killed_mid_run_stops_the_others_naming_it(tmp_path: Path) -> None:
     with netns.Machines() as machines:
         nodes = _start(machines, tmp_path, (0, 1))

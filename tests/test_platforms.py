@@ -5,6 +5,7 @@ variables of other platforms; flags win, and two sources that disagree are refus
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -125,3 +126,29 @@ def test_the_pytorchjob_example_runs_ddpkit_with_no_node_flags() -> None:
         assert command[:2] == ["ddpkit", "run"], command
         assert not {"--nnodes", "--node-rank", "--master-addr"} & set(command), command
         assert "--resume" in command and pod["terminationGracePeriodSeconds"] >= 60
+
+
+def test_a_worker_that_cannot_reach_node_0_says_what_it_was_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its process group would retry without end: the shim tries first, for at most
+    # --rdzv-timeout, and names the address, what it resolved to and the fix.
+    from ddpkit.processes.shim import _reach_node_0
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "node0.invalid")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(ConfigError, match=r"cannot resolve node 0's address 'node0.invalid'"):
+        _reach_node_0(1.0)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(ConfigError) as info:
+        _reach_node_0(1.0)
+    assert f"cannot reach node 0 at localhost:{port} (resolved to " in str(info.value)
+    assert "within 1 s (--rdzv-timeout)" in str(info.value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one machine: nothing to reach
+    _reach_node_0(1.0)

@@ -117,6 +117,7 @@ def run_script(
         **output.env(),
         RUN_WORKER: str(status),
         "DDPKIT_HANG_TIMEOUT": str(opts.hang_s),
+        "DDPKIT_RDZV_TIMEOUT": str(opts.rdzv_timeout),
         "DDPKIT_PARENT_PID": str(os.getpid()),  # the workers' parent: this agent
     }
     advertised = _advertised(opts, port)

@@ -132,6 +132,50 @@ def _prepare(folder: Path, rank: int) -> _Helpers:
     return helpers
 
 
+def _reach_node_0(timeout_s: float) -> None:
+    """With several nodes: reach node 0's store at MASTER_ADDR:MASTER_PORT (what node
+    0's agent gave the others) before the script does, whose process group would retry
+    an address it cannot reach without end; a ConfigError naming the address, what it
+    resolved to and the fix, after `timeout_s` at most (--rdzv-timeout)."""
+    import socket
+    import time
+
+    from ddpkit.errors import ConfigError
+
+    host, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+    if not host or os.environ.get("WORLD_SIZE") == os.environ.get("LOCAL_WORLD_SIZE"):
+        return  # one machine: nothing to reach
+    fix = (
+        "give every node an address of node 0 that it reaches (--master-addr, and "
+        "--local-addr on node 0: its IP on their network)"
+    )
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConfigError(
+            f"this node cannot resolve node 0's address {host!r} ({exc.strerror}): {fix}, or "
+            f"make {host} resolve on every node"
+        ) from None
+    resolved = ", ".join(sorted({str(info[4][0]) for info in found}))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for family, kind, proto, _, where in found:
+            try:
+                with socket.socket(family, kind, proto) as probe:
+                    probe.settimeout(min(5.0, max(deadline - time.monotonic(), 0.1)))
+                    probe.connect(where)
+                    return
+            except OSError:
+                continue
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"this node cannot reach node 0 at {host}:{port} (resolved to {resolved}) "
+                f"within {timeout_s:.0f} s (--rdzv-timeout): {fix}, or open port {port} "
+                "between the nodes"
+            )
+        time.sleep(1.0)
+
+
 def main() -> None:
     # First, before the imports that take seconds (torch): torchrun's agent stops every
     # rank as soon as one fails, and what a rank says while it starts is its output too.
@@ -161,6 +205,7 @@ def main() -> None:
     sys.argv = [target, *rest]
     code, released, stopped = 0, False, 0
     try:
+        _reach_node_0(float(os.environ.get("DDPKIT_RDZV_TIMEOUT", "300")))
         with helpers.starting:
             if as_module:
                 runpy.run_module(target, run_name="__main__", alter_sys=True)
