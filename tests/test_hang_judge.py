@@ -164,3 +164,16 @@ def test_a_rank_waiting_for_an_idle_child_is_uncertain_and_said_so() -> None:
         "  its stack below shows what rank 0 waited for instead of the collective (a file, a "
         "service, a child process?)"
     )
+
+
+def test_ranks_in_the_same_place_are_said_once_above_four_ranks() -> None:
+    from ddpkit.processes.report import _grouped, _ranks
+
+    assert _ranks([3]) == "rank 3"
+    assert _ranks([1, 0]) == "ranks 0, 1"
+    assert _ranks([*range(7), *range(8, 32)]) == "ranks 0-6, 8-31"
+    assert _ranks([0, 1, 2, 5, 7, 8]) == "ranks 0-2, 5, 7, 8"
+    few = {0: "in barrier", 1: "in barrier"}
+    assert _grouped(few) == [("rank 0", "in barrier"), ("rank 1", "in barrier")]
+    many = {rank: "in barrier" for rank in range(32) if rank != 7} | {7: "idle"}
+    assert _grouped(many) == [("ranks 0-6, 8-31", "in barrier"), ("rank 7", "idle")]

@@ -143,9 +143,10 @@ class Hang:
         what to look for."""
         ranks = sorted(self.statuses)
         lines = [f"ddpkit: the job is hung: {self.why}. Where each rank is:"]
-        for rank in ranks:
-            status, kind = self.statuses[rank], self.kinds.get(rank)
-            lines.append(f"  rank {rank}: {_describe(status, self.now, kind)}")
+        described = {
+            rank: _describe(self.statuses[rank], self.now, self.kinds.get(rank)) for rank in ranks
+        }
+        lines += [f"  {who}: {text}" for who, text in _grouped(described)]
         lines += self._missing(ranks if world_size is None else list(range(world_size)))
         lines += [f"  {line}" for line in self.advice]
         return "\n".join(lines)
@@ -172,12 +173,17 @@ class Hang:
         return lines
 
     def stacks(self) -> str:
-        parts = []
+        """Every rank's Python stack; above a few ranks, each distinct stack once."""
+        stacks = {}
         for rank in sorted(self.statuses):
             stack = "".join(self.statuses[rank].get("stack", []))
             if self.statuses[rank].get("state") in ("finished", "released"):
                 stack = "(it has finished: no stack to show)\n"
-            parts.append(f"--- Python stack of rank {rank} (most recent call last) ---\n{stack}")
+            stacks[rank] = stack
+        parts = [
+            f"--- Python stack of {who} (most recent call last) ---\n{stack}"
+            for who, stack in _grouped(stacks)
+        ]
         return "\n".join(parts).rstrip()
 
 
@@ -357,7 +363,8 @@ class HangJudge:
             f"rank {r} is {_doing(statuses[r], kinds[r])} at {statuses[r].get('where', '?')}"
             for r in others
         )
-        waits = "; ".join(f"rank {r}: {_describe(statuses[r], now)}" for r in waiters)
+        described = {r: _describe(statuses[r], now) for r in waiters}
+        waits = "; ".join(f"{who}: {text}" for who, text in _grouped(described))
         head = (
             f"ddpkit: notice: {_ranks(waiters)} {'has' if len(waiters) == 1 else 'have'} "
             f"waited {waited:.0f} s for {_ranks(others)}: {doing}; waiting: {waits}."
@@ -442,7 +449,32 @@ def _since(status: dict[str, Any]) -> float:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+    """`rank 3`, `ranks 0, 2`, or with runs of three or more `ranks 0-6, 8-31`."""
+    ordered = sorted(ranks)
+    runs: list[list[int]] = []
+    for rank in ordered:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)) for run in runs]
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(parts)
+
+
+# Above this many ranks, ranks in the same place are said once, together: a report of
+# hundreds of ranks stays a few lines.
+_GROUP_ABOVE = 4
+
+
+def _grouped(lines: dict[int, str]) -> list[tuple[str, str]]:
+    """(`rank R` or `ranks A-B, ...`, text) for each text of `lines` (rank -> text):
+    one per rank in a small job, one per distinct text above _GROUP_ABOVE ranks."""
+    if len(lines) <= _GROUP_ABOVE:
+        return [(f"rank {rank}", text) for rank, text in sorted(lines.items())]
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(lines.items()):
+        by_text.setdefault(text, []).append(rank)
+    return [(_ranks(ranks), text) for text, ranks in by_text.items()]
 
 
 def _is(ranks: list[int]) -> str:
