@@ -341,3 +341,12 @@ def test_the_baseline_leaves_the_job_its_own_threads(tmp_path: Path) -> None:
     share = str(threads_per_rank(2))
     said = re.findall(r"threads (\d+)", proc.stdout)
     assert said == [share] * 3, proc.stdout  # the baseline's rank, then the job's two
+
+
+def test_a_rank_stopped_before_it_wrote_is_named_not_judged() -> None:
+    # Another rank crashed, and the agent stopped this one before its first write.
+    from ddpkit.processes.profile import RankProfile, report
+
+    said = report({1: RankProfile(Breakdown(10, 320, 0.01, 0.2, 0.05, 0.01, 0.0))}, ranks=2)
+    assert said.startswith("ddpkit profile: 1 rank, "), said
+    assert "  rank 0 stopped before writing what it measured: not in the verdict\n" in said

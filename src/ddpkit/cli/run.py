@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
         args.profile_every,
     )
     if args.profile:
-        _report_profile(profiles, baseline, command, settings.log_dir)
+        ranks = int(settings.nprocs) if settings.nnodes == 1 else None
+        _report_profile(profiles, baseline, command, settings.log_dir, ranks)
     if args.audit is not None:
         _report_audit(found, args.format, settings.log_dir, code)
         if args.audit == "strict":
@@ -355,6 +356,7 @@ def _report_profile(
     baseline: float | None,
     command: list[str],
     log_dir: str | None,
+    ranks: int | None,
 ) -> None:
     """The verdict after the job; with --log-dir, the breakdown over time in
     DIR/metrics.jsonl (records of kind "profile") for `ddpkit plot DIR`."""
@@ -364,7 +366,7 @@ def _report_profile(
     if not profiles:
         print("ddpkit profile: no rank measured a step", file=sys.stderr, flush=True)
         return
-    print(report(profiles, baseline), end="", file=sys.stderr, flush=True)
+    print(report(profiles, baseline, ranks), end="", file=sys.stderr, flush=True)
     if log_dir is None:
         return
     runlog = RunLog(log_dir, {"command": command, "profile": True}, enabled=True)

@@ -66,10 +66,21 @@ def rate(profiles: dict[int, RankProfile]) -> float | None:
     return samples / seconds if seconds > 0 and samples else None
 
 
-def report(profiles: dict[int, RankProfile], baseline: float | None = None) -> str:
+def report(
+    profiles: dict[int, RankProfile], baseline: float | None = None, ranks: int | None = None
+) -> str:
     """The block printed after a profiled job; `baseline`: samples/s of one rank alone
-    (`--baseline`), for the scaling efficiency."""
+    (`--baseline`), for the scaling efficiency; `ranks`: the job's ranks on this
+    machine, of which those that wrote nothing (stopped before their first write, as
+    when another rank crashed) are named."""
     lines = verdict({r: p.steady for r, p in profiles.items()})
+    silent = [r for r in range(ranks or 0) if r not in profiles]
+    if silent:
+        names = ", ".join(map(str, silent))
+        lines.append(
+            f"rank{'s' if len(silent) > 1 else ''} {names} stopped before writing what "
+            f"{'they' if len(silent) > 1 else 'it'} measured: not in the verdict"
+        )
     now = rate(profiles)
     if baseline and now is not None:
         n = len(profiles)
