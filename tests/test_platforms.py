@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.processes.pet import PetJob, pet_job
 from ddpkit.processes.platforms import NodeSettings, resolve
 from tests.conftest import ROOT
-from tests.test_slurm import SCRIPT
+from tests.test_slurm import SCRIPT, run_two_nodes
 
 POD = {  # what the training operator sets in the pod of worker 1 of 2
     "PET_NNODES": "2",
@@ -88,32 +86,22 @@ def test_pet_variables_alone_start_two_nodes(tmp_path: Path) -> None:
     # As a PyTorchJob's two pods would, on loopback: `ddpkit run job.py`, no flag.
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    nodes = []
     port = str(20000 + os.getpid() % 20000)
-    for rank in (0, 1):
-        env = {
-            **os.environ,
+    envs = [
+        {
             "PET_NNODES": "2",
             "PET_NODE_RANK": str(rank),
             "PET_NPROC_PER_NODE": "1",
             "PET_MASTER_ADDR": "127.0.0.1",
             "PET_MASTER_PORT": port,
         }
-        nodes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "ddpkit", "run", str(script)],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = [node.communicate(timeout=180) for node in nodes]
-    for proc, (_, err) in zip(nodes, outs, strict=True):
-        assert proc.returncode == 0, err
-    assert "world 2 ranks [0, 1]" in outs[0][0] + outs[1][0]
-    assert f"from the PET_* variables: node 1 of 2, rendezvous at 127.0.0.1:{port}" in outs[1][1]
+        for rank in (0, 1)
+    ]
+    outs = run_two_nodes(["run", str(script)], envs)
+    for code, _, err in outs:
+        assert code == 0, err
+    assert "world 2 ranks [0, 1]" in outs[0][1] + outs[1][1]
+    assert f"from the PET_* variables: node 1 of 2, rendezvous at 127.0.0.1:{port}" in outs[1][2]
 
 
 def test_the_pytorchjob_example_runs_ddpkit_with_no_node_flags() -> None:

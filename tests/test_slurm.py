@@ -58,34 +58,42 @@ if __name__ == "__main__":
 """
 
 
+def run_two_nodes(argv: list[str], envs: list[dict[str, str]]) -> list[tuple[int, str, str]]:
+    """`python -m ddpkit ARGV` as two "nodes" on loopback, node N with `envs[N]` added to
+    this environment; each node's (exit status, stdout, stderr)."""
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddpkit", *argv],
+            env={**os.environ, **env},
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+    outs = [node.communicate(timeout=180) for node in nodes]
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outs, strict=True)]
+
+
 @pytest.mark.slow
 def test_srun_ddpkit_run_on_two_nodes_needs_no_flags(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    nodes = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
+    envs = [
+        {
             "SLURM_JOB_ID": str(os.getpid()),  # a port of its own for this test run
             "SLURM_NODEID": str(rank),
             "SLURM_STEP_NODELIST": "127.0.0.1,127.0.0.1",  # two "nodes" on loopback
             "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
         }
-        nodes.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "ddpkit", "run", "--nproc", "1", str(script)],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = [node.communicate(timeout=180) for node in nodes]
-    for proc, (_, err) in zip(nodes, outs, strict=True):
-        assert proc.returncode == 0, err
-    assert "world 2 ranks [0, 1]" in outs[0][0] + outs[1][0]
-    assert "node 1 of 2, rendezvous at 127.0.0.1:" in outs[1][1]
+        for rank in (0, 1)
+    ]
+    outs = run_two_nodes(["run", "--nproc", "1", str(script)], envs)
+    for code, _, err in outs:
+        assert code == 0, err
+    assert "world 2 ranks [0, 1]" in outs[0][1] + outs[1][1]
+    assert "node 1 of 2, rendezvous at 127.0.0.1:" in outs[1][2]
 
 
 # What an sbatch batch script sees: the job's variables, but no step's (no srun ran).
